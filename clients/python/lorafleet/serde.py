@@ -1,0 +1,136 @@
+"""The one place that converts protos to domain values and back."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from lorafleet.errors import InvalidArgument
+from lorafleet.jobs.v1 import jobs_pb2 as pb
+from lorafleet.spec import (
+    DEFAULT_BASE_MODEL,
+    CaptionModeName,
+    JobSpec,
+    LrSchedulerName,
+    MixedPrecisionName,
+    WebhookEventName,
+)
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+LR_SCHEDULERS: dict[int, LrSchedulerName] = {
+    pb.LR_SCHEDULER_UNSPECIFIED: "constant",
+    pb.LR_SCHEDULER_CONSTANT: "constant",
+    pb.LR_SCHEDULER_CONSTANT_WITH_WARMUP: "constant_with_warmup",
+    pb.LR_SCHEDULER_LINEAR: "linear",
+    pb.LR_SCHEDULER_COSINE: "cosine",
+    pb.LR_SCHEDULER_COSINE_WITH_RESTARTS: "cosine_with_restarts",
+    pb.LR_SCHEDULER_POLYNOMIAL: "polynomial",
+}
+MIXED_PRECISIONS: dict[int, MixedPrecisionName] = {
+    pb.MIXED_PRECISION_UNSPECIFIED: "no",
+    pb.MIXED_PRECISION_NO: "no",
+    pb.MIXED_PRECISION_FP16: "fp16",
+    pb.MIXED_PRECISION_BF16: "bf16",
+}
+CAPTION_MODES: dict[int, CaptionModeName] = {
+    pb.CAPTION_MODE_UNSPECIFIED: "file_else_prompt",
+    pb.CAPTION_MODE_FILE_ELSE_PROMPT: "file_else_prompt",
+    pb.CAPTION_MODE_INSTANCE_PROMPT: "instance_prompt",
+}
+WEBHOOK_EVENTS: dict[int, WebhookEventName] = {
+    pb.WEBHOOK_EVENT_CHECKPOINT: "checkpoint",
+    pb.WEBHOOK_EVENT_SUCCEEDED: "succeeded",
+    pb.WEBHOOK_EVENT_FAILED: "failed",
+    pb.WEBHOOK_EVENT_CANCELED: "canceled",
+}
+
+
+def _lookup(table: dict[int, _V], value: int, field: str) -> _V:
+    try:
+        return table[value]
+    except KeyError:
+        raise InvalidArgument(field, f"unknown enum value {value}") from None
+
+
+def _inverse(table: dict[int, _V]) -> dict[_V, int]:
+    # The UNSPECIFIED alias (0) maps to the same name as the explicit value; keep the explicit one.
+    out: dict[_V, int] = {}
+    for number, name in sorted(table.items()):
+        out[name] = number
+    return out
+
+
+def _or_default(value: _K, default: _K) -> _K:
+    return value if value else default
+
+
+def spec_from_proto(msg: pb.JobSpec) -> JobSpec:
+    """Fills defaults for zero values and validates; raises InvalidArgument naming the field."""
+    rank = _or_default(msg.lora_rank, 4)
+    fields: dict[str, Any] = dict(
+        instance_prompt=msg.instance_prompt,
+        instance_data_prefix=msg.instance_data_prefix,
+        max_train_steps=msg.max_train_steps,
+        class_prompt=msg.class_prompt,
+        class_data_prefix=msg.class_data_prefix,
+        with_prior_preservation=msg.with_prior_preservation,
+        prior_loss_weight=_or_default(msg.prior_loss_weight, 1.0),
+        num_class_images=_or_default(msg.num_class_images, 100),
+        learning_rate=_or_default(msg.learning_rate, 1e-4),
+        train_text_encoder=msg.train_text_encoder,
+        text_encoder_learning_rate=_or_default(msg.text_encoder_learning_rate, 5e-6),
+        lr_scheduler=_lookup(LR_SCHEDULERS, msg.lr_scheduler, "lr_scheduler"),
+        lr_warmup_steps=msg.lr_warmup_steps,
+        lr_num_cycles=_or_default(msg.lr_num_cycles, 1),
+        lr_power=_or_default(msg.lr_power, 1.0),
+        train_batch_size=_or_default(msg.train_batch_size, 1),
+        gradient_accumulation_steps=_or_default(msg.gradient_accumulation_steps, 1),
+        gradient_checkpointing=msg.gradient_checkpointing,
+        use_8bit_adam=msg.use_8bit_adam,
+        mixed_precision=_lookup(MIXED_PRECISIONS, msg.mixed_precision, "mixed_precision"),
+        resolution=_or_default(msg.resolution, 1024),
+        center_crop=msg.center_crop,
+        random_flip=msg.random_flip,
+        lora_rank=rank,
+        lora_alpha=_or_default(msg.lora_alpha, float(rank)),
+        snr_gamma=msg.snr_gamma,
+        noise_offset=msg.noise_offset,
+        caption_mode=_lookup(CAPTION_MODES, msg.caption_mode, "caption_mode"),
+        checkpointing_steps=_or_default(msg.checkpointing_steps, 100),
+        validation_prompt=msg.validation_prompt,
+        validation_steps=msg.validation_steps,
+        seed=msg.seed,
+        base_model=_or_default(msg.base_model, DEFAULT_BASE_MODEL),
+        vae_model=msg.vae_model,
+        min_vram_mb=msg.min_vram_mb,
+        priority=msg.priority,
+        max_failures=_or_default(msg.max_failures, 3),
+        labels=dict(msg.labels),
+        webhook_url=msg.webhook.url,
+        webhook_events=tuple(
+            _lookup(WEBHOOK_EVENTS, e, "webhook.events") for e in msg.webhook.events
+        ),
+        adam_beta1=_or_default(msg.adam_beta1, 0.9),
+        adam_beta2=_or_default(msg.adam_beta2, 0.999),
+        adam_weight_decay=_or_default(msg.adam_weight_decay, 1e-2),
+        adam_epsilon=_or_default(msg.adam_epsilon, 1e-8),
+        max_grad_norm=_or_default(msg.max_grad_norm, 1.0),
+    )
+    return JobSpec(**fields)
+
+
+def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
+    data = spec.to_dict()
+    webhook_url = data.pop("webhook_url")
+    webhook_events = data.pop("webhook_events")
+    labels = data.pop("labels")
+    data["lr_scheduler"] = _inverse(LR_SCHEDULERS)[spec.lr_scheduler]
+    data["mixed_precision"] = _inverse(MIXED_PRECISIONS)[spec.mixed_precision]
+    data["caption_mode"] = _inverse(CAPTION_MODES)[spec.caption_mode]
+    msg = pb.JobSpec(**data, labels=labels)
+    if webhook_url:
+        inverse = _inverse(WEBHOOK_EVENTS)
+        msg.webhook.url = webhook_url
+        msg.webhook.events.extend(inverse[e] for e in webhook_events)
+    return msg
