@@ -132,5 +132,5 @@ def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
     if webhook_url:
         inverse = _inverse(WEBHOOK_EVENTS)
         msg.webhook.url = webhook_url
-        msg.webhook.events.extend(inverse[e] for e in webhook_events)
+        msg.webhook.events.extend(pb.WebhookEvent.ValueType(inverse[e]) for e in webhook_events)
     return msg

@@ -1,0 +1,92 @@
+"""Shared fixtures: a real Postgres per test, cloned from a migrated template (fast, isolated).
+
+The server is `LORAFLEET_TEST_DATABASE_URL`, else the local one on 127.0.0.1:5432, else an
+embedded pgserver started for the session (a fresh machine with no Postgres still runs the tests).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from lorafleet.scheduler.database import EmbeddedPostgres, migrate
+from lorafleet.scheduler.ledger import Ledger
+
+DEFAULT_TEST_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def with_database(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path=f"/{name}"))
+
+
+@pytest.fixture(scope="session")
+def pg_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = os.environ.get("LORAFLEET_TEST_DATABASE_URL")
+    if url:
+        yield url
+        return
+    import asyncio
+
+    async def reachable() -> bool:
+        try:
+            conn = await asyncpg.connect(DEFAULT_TEST_SERVER, timeout=3)
+        except (OSError, asyncpg.PostgresError, TimeoutError):
+            return False
+        await conn.close()
+        return True
+
+    if asyncio.run(reachable()):
+        yield DEFAULT_TEST_SERVER
+        return
+    embedded = EmbeddedPostgres(tmp_path_factory.mktemp("pg") / "data")
+    yield embedded.start()
+    embedded.stop()
+
+
+@pytest.fixture(scope="session")
+async def template_database(pg_server_url: str) -> AsyncIterator[str]:
+    name = f"lorafleet_tpl_{os.getpid()}"
+    admin = await asyncpg.connect(pg_server_url)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        conn = await asyncpg.connect(with_database(pg_server_url, name))
+        try:
+            await migrate(conn)
+        finally:
+            await conn.close()
+        yield name
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+async def database_url(pg_server_url: str, template_database: str) -> AsyncIterator[str]:
+    name = f"lorafleet_t_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(pg_server_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+        yield with_database(pg_server_url, name)
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+async def ledger(database_url: str) -> AsyncIterator[Ledger]:
+    ledger = await Ledger.connect(database_url)
+    yield ledger
+    await ledger.close()
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent

@@ -1,0 +1,218 @@
+"""The ledger's transitions against a real Postgres: claims, fencing, failures, retention."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import asyncpg
+
+from lorafleet.model import Checkpoint, FailureClass, JobResult, JobState, checkpoint_key
+from lorafleet.scheduler.database import migrate, migrations
+from lorafleet.scheduler.ledger import Ledger, NewJob
+from lorafleet.spec import JobSpec
+
+TTL_S = 30.0
+
+
+def new_job(
+    *, priority: int = 0, min_vram_mb: int = 0, max_failures: int = 3, key: str = ""
+) -> NewJob:
+    spec = JobSpec(
+        instance_prompt="a photo of sks dog",
+        instance_data_prefix="dogs/rex",
+        max_train_steps=100,
+        priority=priority,
+        min_vram_mb=min_vram_mb,
+        max_failures=max_failures,
+        labels={"team": "a"},
+    )
+    return NewJob(job_id=str(uuid.uuid4()), spec=spec, idempotency_key=key, traceparent="")
+
+
+async def test_submit_is_idempotent_per_owner(ledger: Ledger) -> None:
+    first = (await ledger.insert_jobs("alice", [new_job(key="k1")]))[0]
+    again = (await ledger.insert_jobs("alice", [new_job(key="k1")]))[0]
+    other = (await ledger.insert_jobs("bob", [new_job(key="k1")]))[0]
+    assert again.job_id == first.job_id
+    assert other.job_id != first.job_id
+    assert await ledger.get_job(first.job_id, "bob") is None
+
+
+async def test_claim_order_requeued_then_priority_then_age(ledger: Ledger) -> None:
+    old_low, high, requeued = await ledger.insert_jobs(
+        "alice", [new_job(priority=0), new_job(priority=5), new_job(priority=-5)]
+    )
+    # Give the low-priority job progress: claim it first by making it the only candidate.
+    claimed = []
+    for _ in range(3):
+        job = await ledger.claim_job("m0", 80_000, TTL_S)
+        assert job is not None
+        claimed.append(job.job_id)
+    assert claimed == [high.job_id, old_low.job_id, requeued.job_id]
+    drained = await ledger.drain_lease(
+        _lease(await ledger.get_job(requeued.job_id, "alice")), 1, "bye"
+    )
+    assert drained is not None and drained.state is JobState.QUEUED
+    fresh = (await ledger.insert_jobs("alice", [new_job(priority=100)]))[0]
+    nxt = await ledger.claim_job("m1", 80_000, TTL_S)
+    assert nxt is not None and nxt.job_id == requeued.job_id and nxt.epoch == 2
+    assert (await ledger.claim_job("m1", 80_000, TTL_S)).job_id == fresh.job_id  # type: ignore[union-attr]
+
+
+def _lease(job: object) -> str:
+    lease_id = getattr(job, "lease_id", None)
+    assert isinstance(lease_id, str)
+    return lease_id
+
+
+async def test_vram_filter_and_node_ban(ledger: Ledger) -> None:
+    job = (await ledger.insert_jobs("alice", [new_job(min_vram_mb=24_000)]))[0]
+    assert await ledger.claim_job("small", 16_000, TTL_S) is None
+    granted = await ledger.claim_job("big", 24_000, TTL_S)
+    assert granted is not None and granted.job_id == job.job_id
+    failed = await ledger.fail_attempt(
+        _lease(granted), granted.epoch, FailureClass.NODE, "CUDA error"
+    )
+    assert failed is not None and failed.state is JobState.QUEUED and failed.failures == 1
+    assert await ledger.claim_job("big", 24_000, TTL_S) is None  # banned there
+    assert (await ledger.claim_job("big2", 24_000, TTL_S)) is not None
+
+
+async def test_max_failures_and_input_fault(ledger: Ledger) -> None:
+    job = (await ledger.insert_jobs("alice", [new_job(max_failures=2)]))[0]
+    for machine, expected in (("a", JobState.QUEUED), ("b", JobState.FAILED)):
+        granted = await ledger.claim_job(machine, 0, TTL_S)
+        assert granted is not None
+        after = await ledger.fail_attempt(
+            _lease(granted), granted.epoch, FailureClass.INTERNAL, "bug"
+        )
+        assert after is not None and after.state is expected
+    final = await ledger.get_job(job.job_id, "alice")
+    assert (
+        final is not None and final.failures == 2 and final.failure_class is FailureClass.INTERNAL
+    )
+
+    bad = (await ledger.insert_jobs("alice", [new_job(max_failures=5)]))[0]
+    granted = await ledger.claim_job("c", 0, TTL_S)
+    assert granted is not None and granted.job_id == bad.job_id
+    after = await ledger.fail_attempt(
+        _lease(granted), granted.epoch, FailureClass.INPUT, "x.png: unreadable"
+    )
+    assert after is not None and after.state is JobState.FAILED and after.failures == 0
+    assert await ledger.claim_job("d", 0, TTL_S) is None
+
+
+async def test_stale_epoch_is_fenced_off(ledger: Ledger) -> None:
+    await ledger.insert_jobs("alice", [new_job()])
+    first = await ledger.claim_job("a", 0, 0.0)  # expires at once
+    assert first is not None
+    expired = await ledger.expire_leases()
+    assert [e.job_id for e in expired] == [first.job_id]
+    second = await ledger.claim_job("b", 0, TTL_S)
+    assert second is not None and second.epoch == first.epoch + 1
+    stale = _lease(first)
+    ckpt = Checkpoint(
+        step=10,
+        epoch=first.epoch,
+        key=checkpoint_key(first.job_id, 10, first.epoch),
+        size_bytes=1,
+        sha256="0" * 64,
+    )
+    assert not await ledger.heartbeat(
+        stale, first.epoch, TTL_S, step=5, loss=0.1, learning_rate=1e-4, seconds_per_step=1.0
+    )
+    assert not await ledger.commit_checkpoint(stale, first.epoch, ckpt)
+    assert (
+        await ledger.succeed_job(
+            stale, first.epoch, JobResult(key="k", size_bytes=1, sha256="0"), step=1, loss=None
+        )
+        is None
+    )
+    assert await ledger.fail_attempt(stale, first.epoch, FailureClass.NODE, "x") is None
+    # The right lease id with a wrong epoch is refused too.
+    assert not await ledger.heartbeat(
+        _lease(second),
+        first.epoch,
+        TTL_S,
+        step=5,
+        loss=None,
+        learning_rate=None,
+        seconds_per_step=None,
+    )
+    assert await ledger.heartbeat(
+        _lease(second),
+        second.epoch,
+        TTL_S,
+        step=5,
+        loss=None,
+        learning_rate=None,
+        seconds_per_step=None,
+    )
+    assert await ledger.live_checkpoints(first.job_id) == []
+
+
+async def test_checkpoint_retention_and_cleanup_on_finish(ledger: Ledger) -> None:
+    job = (await ledger.insert_jobs("alice", [new_job()]))[0]
+    granted = await ledger.claim_job("a", 0, TTL_S)
+    assert granted is not None
+    lease = _lease(granted)
+    for step in (10, 20, 30, 40):
+        key = checkpoint_key(job.job_id, step, granted.epoch)
+        ok = await ledger.commit_checkpoint(
+            lease,
+            granted.epoch,
+            Checkpoint(step=step, epoch=granted.epoch, key=key, size_bytes=step, sha256="a" * 64),
+        )
+        assert ok
+    doomed = await ledger.checkpoints_to_delete(job.job_id, keep=2)
+    assert sorted(doomed) == sorted(checkpoint_key(job.job_id, s, granted.epoch) for s in (10, 20))
+    await ledger.mark_checkpoints_deleted(job.job_id, doomed)
+    assert [c.step for c in await ledger.live_checkpoints(job.job_id)] == [40, 30]
+    current = await ledger.get_job(job.job_id, "alice")
+    assert (
+        current is not None
+        and current.latest_checkpoint is not None
+        and current.latest_checkpoint.step == 40
+    )
+    done = await ledger.succeed_job(
+        lease, granted.epoch, JobResult(key="r", size_bytes=3, sha256="b" * 64), step=100, loss=0.05
+    )
+    assert done is not None and done.state is JobState.SUCCEEDED
+    assert len(await ledger.checkpoints_to_delete(job.job_id, keep=2)) == 2
+    assert await ledger.finished_jobs_with_checkpoints(10) == [job.job_id]
+
+
+async def test_cancel_and_events_timeline(ledger: Ledger) -> None:
+    job = (await ledger.insert_jobs("alice", [new_job()]))[0]
+    granted = await ledger.claim_job("a", 0, TTL_S)
+    assert granted is not None
+    assert await ledger.cancel_job(job.job_id, "bob") is None
+    canceled = await ledger.cancel_job(job.job_id, "alice")
+    assert (
+        canceled is not None and canceled.state is JobState.CANCELED and canceled.lease_id is None
+    )
+    assert await ledger.cancel_job(job.job_id, "alice") is None  # already final
+    kinds = [e.kind.value for e in await ledger.list_events(job.job_id, 0, 100)]
+    assert kinds == ["SUBMITTED", "LEASE_GRANTED", "CANCELED"]
+
+
+async def test_concurrent_claims_never_grant_twice(ledger: Ledger) -> None:
+    jobs = await ledger.insert_jobs("alice", [new_job() for _ in range(40)])
+    results = await asyncio.gather(*(ledger.claim_job(f"m{i}", 0, TTL_S) for i in range(60)))
+    granted = [r.job_id for r in results if r is not None]
+    assert len(granted) == len(set(granted)) == 40
+    assert set(granted) == {j.job_id for j in jobs}
+
+
+async def test_migrations_equal_schema_and_are_idempotent(database_url: str) -> None:
+    """Applying the migrations again is a no-op; the template schema equals a fresh migration."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert await migrate(conn) == []
+        versions = [
+            r[0] for r in await conn.fetch("SELECT version FROM schema_migrations ORDER BY 1")
+        ]
+        assert versions == [m.version for m in migrations()]
+    finally:
+        await conn.close()
