@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any, TypeVar
+
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from lorafleet.errors import InvalidArgument
 from lorafleet.jobs.v1 import jobs_pb2 as pb
+from lorafleet.model import Checkpoint, EventKind, FailureClass, Job, JobEvent, JobState
 from lorafleet.spec import (
     DEFAULT_BASE_MODEL,
     CaptionModeName,
@@ -133,4 +137,122 @@ def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
         inverse = _inverse(WEBHOOK_EVENTS)
         msg.webhook.url = webhook_url
         msg.webhook.events.extend(pb.WebhookEvent.ValueType(inverse[e]) for e in webhook_events)
+    return msg
+
+
+# Jobs and events ------------------------------------------------------------------------------
+
+JOB_STATES: dict[JobState, pb.JobState.ValueType] = {
+    JobState.QUEUED: pb.JOB_STATE_QUEUED,
+    JobState.RUNNING: pb.JOB_STATE_RUNNING,
+    JobState.SUCCEEDED: pb.JOB_STATE_SUCCEEDED,
+    JobState.FAILED: pb.JOB_STATE_FAILED,
+    JobState.CANCELED: pb.JOB_STATE_CANCELED,
+}
+FAILURE_CLASSES: dict[FailureClass, pb.FailureClass.ValueType] = {
+    FailureClass.NODE: pb.FAILURE_CLASS_NODE,
+    FailureClass.INPUT: pb.FAILURE_CLASS_INPUT,
+    FailureClass.INTERNAL: pb.FAILURE_CLASS_INTERNAL,
+}
+EVENT_KINDS: dict[EventKind, pb.JobEventKind.ValueType] = {
+    kind: pb.JobEventKind.Value(f"JOB_EVENT_KIND_{kind.value}") for kind in EventKind
+}
+
+
+def timestamp(value: datetime | None) -> Timestamp | None:
+    if value is None:
+        return None
+    ts = Timestamp()
+    ts.FromDatetime(value)
+    return ts
+
+
+def from_timestamp(ts: Timestamp) -> datetime | None:
+    if ts.seconds == 0 and ts.nanos == 0:
+        return None
+    return ts.ToDatetime(tzinfo=UTC)
+
+
+def job_state_from_proto(value: int, field: str) -> JobState:
+    for state, number in JOB_STATES.items():
+        if number == value:
+            return state
+    raise InvalidArgument(field, f"unknown job state {value}")
+
+
+def failure_class_from_proto(value: int, field: str) -> FailureClass:
+    for cls, number in FAILURE_CLASSES.items():
+        if number == value:
+            return cls
+    raise InvalidArgument(field, f"must be NODE, INPUT or INTERNAL (got {value})")
+
+
+def checkpoint_to_proto(checkpoint: Checkpoint) -> pb.Checkpoint:
+    return pb.Checkpoint(
+        step=checkpoint.step,
+        epoch=checkpoint.epoch,
+        key=checkpoint.key,
+        size_bytes=checkpoint.size_bytes,
+        sha256=checkpoint.sha256,
+        committed_at=timestamp(checkpoint.committed_at),
+    )
+
+
+def job_to_proto(job: Job) -> pb.Job:
+    progress = job.progress
+    msg = pb.Job(
+        job_id=job.job_id,
+        spec=spec_to_proto(job.spec),
+        state=JOB_STATES[job.state],
+        epoch=job.epoch,
+        failures=job.failures,
+        progress=pb.Progress(
+            step=progress.step,
+            max_steps=progress.max_steps,
+            loss=progress.loss or 0.0,
+            learning_rate=progress.learning_rate or 0.0,
+            seconds_per_step=progress.seconds_per_step or 0.0,
+            eta_seconds=progress.eta_seconds or 0.0,
+            machine_id=progress.machine_id or "",
+            updated_at=timestamp(progress.updated_at),
+        ),
+        error=job.error or "",
+        created_at=timestamp(job.created_at),
+        updated_at=timestamp(job.updated_at),
+        finished_at=timestamp(job.finished_at),
+        machine_id=job.machine_id or "",
+    )
+    if job.latest_checkpoint is not None:
+        msg.latest_checkpoint.CopyFrom(checkpoint_to_proto(job.latest_checkpoint))
+    if job.result is not None:
+        msg.result.CopyFrom(
+            pb.JobResult(
+                key=job.result.key, size_bytes=job.result.size_bytes, sha256=job.result.sha256
+            )
+        )
+    if job.failure_class is not None:
+        msg.failure_class = FAILURE_CLASSES[job.failure_class]
+    return msg
+
+
+def event_to_proto(event: JobEvent) -> pb.JobEvent:
+    msg = pb.JobEvent(
+        event_id=event.event_id,
+        job_id=event.job_id,
+        kind=EVENT_KINDS[event.kind],
+        at=timestamp(event.at),
+        machine_id=event.machine_id or "",
+        lease_id=event.lease_id or "",
+        epoch=event.epoch or 0,
+        step=event.step or 0,
+        loss=event.loss or 0.0,
+        seconds_per_step=event.seconds_per_step or 0.0,
+        message=event.message or "",
+    )
+    if event.failure_class is not None:
+        msg.failure_class = FAILURE_CLASSES[event.failure_class]
+    if event.state is not None:
+        msg.state = JOB_STATES[event.state]
+    if event.checkpoint is not None:
+        msg.checkpoint.CopyFrom(checkpoint_to_proto(event.checkpoint))
     return msg

@@ -1,0 +1,265 @@
+"""Thin gRPC servicers: check the request, call one handler, map domain errors to status codes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import NoReturn, TypeVar
+
+import grpc
+import structlog
+
+from lorafleet.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    LedgerUnavailable,
+    LorafleetError,
+    NotFound,
+    StorageError,
+    Unauthenticated,
+)
+from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
+from lorafleet.jobs.v1 import jobs_pb2 as pb
+from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
+from lorafleet.scheduler.auth import ApiKeyAuthenticator, check_worker_token
+from lorafleet.scheduler.fleet import Fleet
+from lorafleet.scheduler.jobs import JobHandler, Submission
+from lorafleet.serde import (
+    event_to_proto,
+    job_state_from_proto,
+    job_to_proto,
+    spec_from_proto,
+    timestamp,
+)
+from lorafleet.spec import JobSpec
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+
+async def abort_for(context: grpc.aio.ServicerContext[object, object], exc: Exception) -> NoReturn:
+    """Maps lorafleet's error tree onto status codes; anything else is an internal error."""
+    if isinstance(exc, InvalidArgument):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, NotFound):
+        await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+    if isinstance(exc, Unauthenticated):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+    if isinstance(exc, FailedPrecondition):
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    if isinstance(exc, (LedgerUnavailable, StorageError)) and exc.retryable:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, LorafleetError):
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    log.error("internal error", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the scheduler log")
+    raise AssertionError("context.abort returned")  # it always raises
+
+
+def _spec(msg: pb.JobSpec, prefix: str) -> JobSpec:
+    try:
+        return spec_from_proto(msg)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{prefix}.{exc.field}", exc.reason) from None
+
+
+class JobServicer(pbgrpc.JobServiceServicer):
+    def __init__(self, handler: JobHandler, auth: ApiKeyAuthenticator) -> None:
+        self._handler = handler
+        self._auth = auth
+
+    async def _call(
+        self,
+        context: grpc.aio.ServicerContext[object, object],
+        fn: Callable[[str], Awaitable[T]],
+    ) -> T:
+        try:
+            owner = await self._auth.owner(context.invocation_metadata() or ())
+            return await fn(owner)
+        except Exception as exc:  # every error is mapped to a status
+            await abort_for(context, exc)
+
+    async def SubmitJob(
+        self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.SubmitJobResponse:
+        async def run(owner: str) -> pb.SubmitJobResponse:
+            sub = Submission(
+                spec=_spec(request.spec, "spec"), idempotency_key=request.idempotency_key
+            )
+            (job,) = await self._handler.submit(owner, [sub])
+            return pb.SubmitJobResponse(job=job_to_proto(job))
+
+        return await self._call(context, run)
+
+    async def SubmitJobs(
+        self, request: pb.SubmitJobsRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.SubmitJobsResponse:
+        async def run(owner: str) -> pb.SubmitJobsResponse:
+            subs = [
+                Submission(spec=_spec(r.spec, f"jobs[{i}].spec"), idempotency_key=r.idempotency_key)
+                for i, r in enumerate(request.jobs)
+            ]
+            jobs = await self._handler.submit(owner, subs)
+            return pb.SubmitJobsResponse(jobs=[job_to_proto(j) for j in jobs])
+
+        return await self._call(context, run)
+
+    async def GetJob(
+        self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.GetJobResponse:
+        async def run(owner: str) -> pb.GetJobResponse:
+            return pb.GetJobResponse(
+                job=job_to_proto(await self._handler.get(owner, request.job_id))
+            )
+
+        return await self._call(context, run)
+
+    async def ListJobs(
+        self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.ListJobsResponse:
+        async def run(owner: str) -> pb.ListJobsResponse:
+            states = [job_state_from_proto(s, f"states[{i}]") for i, s in enumerate(request.states)]
+            jobs, token = await self._handler.list_jobs(
+                owner,
+                states=states,
+                labels=dict(request.labels),
+                page_size=request.page_size,
+                page_token=request.page_token,
+            )
+            return pb.ListJobsResponse(jobs=[job_to_proto(j) for j in jobs], next_page_token=token)
+
+        return await self._call(context, run)
+
+    async def CancelJob(
+        self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.CancelJobResponse:
+        async def run(owner: str) -> pb.CancelJobResponse:
+            job = await self._handler.cancel(owner, request.job_id)
+            return pb.CancelJobResponse(job=job_to_proto(job))
+
+        return await self._call(context, run)
+
+    async def WatchJob(
+        self, request: pb.WatchJobRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> AsyncIterator[pb.WatchJobResponse]:
+        try:
+            owner = await self._auth.owner(context.invocation_metadata() or ())
+            stream = self._handler.watch(
+                owner, request.job_id, after_event_id=request.after_event_id
+            )
+            async for job, event in stream:
+                response = pb.WatchJobResponse(job=job_to_proto(job))
+                if event is not None:
+                    response.event.CopyFrom(event_to_proto(event))
+                yield response
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await abort_for(context, exc)
+
+    async def ListJobEvents(
+        self, request: pb.ListJobEventsRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.ListJobEventsResponse:
+        async def run(owner: str) -> pb.ListJobEventsResponse:
+            events, after = await self._handler.events(
+                owner,
+                request.job_id,
+                after_event_id=request.after_event_id,
+                page_size=request.page_size,
+            )
+            return pb.ListJobEventsResponse(
+                events=[event_to_proto(e) for e in events], next_after_event_id=after
+            )
+
+        return await self._call(context, run)
+
+    async def CreateUploadUrls(
+        self, request: pb.CreateUploadUrlsRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.CreateUploadUrlsResponse:
+        async def run(owner: str) -> pb.CreateUploadUrlsResponse:
+            urls = await self._handler.upload_urls(owner, request.prefix, list(request.file_names))
+            return pb.CreateUploadUrlsResponse(
+                urls=[
+                    pb.SignedUrl(
+                        key=u.key, url=u.url, method=u.method, expires_at=timestamp(u.expires_at)
+                    )
+                    for u in urls
+                ]
+            )
+
+        return await self._call(context, run)
+
+    async def GetJobArtifacts(
+        self, request: pb.GetJobArtifactsRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.GetJobArtifactsResponse:
+        async def run(owner: str) -> pb.GetJobArtifactsResponse:
+            from lorafleet.serde import checkpoint_to_proto
+
+            artifacts = await self._handler.artifacts(owner, request.job_id)
+            response = pb.GetJobArtifactsResponse()
+            if artifacts.result is not None:
+                r = artifacts.result
+                response.result.CopyFrom(
+                    pb.SignedUrl(
+                        key=r.key, url=r.url, method=r.method, expires_at=timestamp(r.expires_at)
+                    )
+                )
+            for checkpoint, url in artifacts.checkpoints:
+                response.checkpoints.append(
+                    pb.SignedUrl(
+                        key=url.key,
+                        url=url.url,
+                        method=url.method,
+                        expires_at=timestamp(url.expires_at),
+                    )
+                )
+                response.checkpoint_records.append(checkpoint_to_proto(checkpoint))
+            return response
+
+        return await self._call(context, run)
+
+
+class WorkerServicer(fgrpc.WorkerServiceServicer):
+    def __init__(self, fleet: Fleet, *, worker_token: str, hello_timeout_s: float) -> None:
+        self._fleet = fleet
+        self._worker_token = worker_token
+        self._hello_timeout_s = hello_timeout_s
+
+    async def Connect(
+        self,
+        request_iterator: AsyncIterator[fpb.ConnectRequest],
+        context: grpc.aio.ServicerContext[object, object],
+    ) -> AsyncIterator[fpb.ConnectResponse]:
+        try:
+            check_worker_token(context.invocation_metadata() or (), self._worker_token)
+            first = await asyncio.wait_for(anext(request_iterator), self._hello_timeout_s)
+            if first.WhichOneof("message") != "hello":
+                raise InvalidArgument("hello", "the first message on the stream must be Hello")
+            session = await self._fleet.open_session(first.hello)
+        except (TimeoutError, StopAsyncIteration):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "hello: not received in time")
+        except Exception as exc:
+            await abort_for(context, exc)
+
+        failure: list[Exception] = []
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await self._fleet.handle(session, request)
+            except Exception as exc:  # reported on the stream below
+                failure.append(exc)
+            finally:
+                self._fleet.close_session(session)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (message := await session.outbox.get()) is not None:
+                yield message
+        finally:
+            self._fleet.close_session(session)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        if failure:
+            await abort_for(context, failure[0])

@@ -1,0 +1,358 @@
+"""The worker stream contract (DESIGN.md) driven by scripted workers over real gRPC."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+import aiohttp
+import grpc
+import pytest
+
+from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from lorafleet.jobs.v1 import jobs_pb2 as pb
+from lorafleet.model import checkpoint_key, result_key
+from tests.scheduler.conftest import Fleet
+from tests.scheduler.harness import connect_worker
+
+SHA = "a" * 64
+
+
+async def _put(url: str, data: bytes) -> None:
+    async with aiohttp.ClientSession() as http, http.put(url, data=data) as response:
+        assert response.status in (200, 201, 204), await response.text()
+
+
+async def _get(url: str) -> bytes:
+    async with aiohttp.ClientSession() as http, http.get(url) as response:
+        assert response.status == 200, await response.text()
+        return await response.read()
+
+
+async def test_grant_carries_spec_urls_and_heartbeat_extends(fleet: Fleet) -> None:
+    job = await fleet.alice.submit(learning_rate=2e-4, labels={"batch": "x"})
+    assert job.state == pb.JOB_STATE_QUEUED
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        assert worker.welcome is not None and worker.welcome.lease_ttl_s == 30.0
+        granted = await worker.ready_for_lease()
+        assert granted.lease.job_id == job.job_id and granted.lease.epoch == 1
+        assert granted.spec.learning_rate == pytest.approx(2e-4)
+        assert granted.spec.resolution == 1024  # defaults are explicit on the wire
+        assert [f.name for f in granted.urls.instance_files] == ["1.png"]
+        assert await _get(granted.urls.instance_files[0].url) == b"png"
+        assert granted.urls.result_upload.key == result_key(job.job_id, 1)
+        before = await fleet.scheduler.ledger.get_job_any_owner(job.job_id)
+        await worker.heartbeat(granted.lease, 7, loss=0.25, seconds_per_step=0.5)
+        # The next message round-trip orders the heartbeat before our read.
+        await worker.send(
+            urls_requested=fpb.UrlsRequested(
+                lease=worker.ref(granted.lease),
+                slots=[fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_CHECKPOINT, step=10)],
+            )
+        )
+        await worker.expect("urls_renewed")
+        after = await fleet.scheduler.ledger.get_job_any_owner(job.job_id)
+        assert before is not None and after is not None
+        assert after.progress.step == 7 and after.progress.loss == pytest.approx(0.25)
+        current = await fleet.alice.get(job.job_id)
+        assert current.state == pb.JOB_STATE_RUNNING and current.machine_id == "m1"
+        assert current.progress.eta_seconds == pytest.approx((100 - 7) * 0.5)
+        kinds = [e.kind for e in await fleet.alice.events(job.job_id)]
+        assert kinds == [
+            pb.JOB_EVENT_KIND_SUBMITTED,
+            pb.JOB_EVENT_KIND_LEASE_GRANTED,
+            pb.JOB_EVENT_KIND_HEARTBEAT,
+        ]
+
+
+async def test_checkpoints_retention_and_success(fleet: Fleet) -> None:
+    job = await fleet.alice.submit()
+    store = fleet.scheduler.storage
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        granted = await worker.ready_for_lease()
+        ref = worker.ref(granted.lease)
+        for step in (10, 20, 30):
+            await worker.send(
+                urls_requested=fpb.UrlsRequested(
+                    lease=ref, slots=[fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_CHECKPOINT, step=step)]
+                )
+            )
+            renewed = await worker.expect("urls_renewed")
+            (upload,) = renewed.urls.uploads
+            assert upload.key == checkpoint_key(job.job_id, step, 1)
+            data = f"state at {step}".encode()
+            await _put(upload.url, data)
+            await worker.send(
+                checkpoint_committed=fpb.CheckpointCommitted(
+                    lease=ref,
+                    step=step,
+                    key=upload.key,
+                    size_bytes=len(data),
+                    sha256=hashlib.sha256(data).hexdigest(),
+                )
+            )
+        # Retention (K=2) deletes the oldest; wait for its event rather than sleeping.
+        async for response in fleet.alice.stub.WatchJob(
+            pb.WatchJobRequest(job_id=job.job_id), metadata=fleet.alice.metadata, timeout=15
+        ):
+            if response.event.kind == pb.JOB_EVENT_KIND_CHECKPOINT_DELETED:
+                assert response.event.step == 10
+                break
+        keys = sorted(o.key for o in await store.list(f"jobs/{job.job_id}/checkpoints/"))
+        assert keys == [checkpoint_key(job.job_id, s, 1) for s in (20, 30)]
+        current = await fleet.alice.get(job.job_id)
+        assert current.latest_checkpoint.step == 30
+
+        lora = b"lora weights"
+        await _put(granted.urls.result_upload.url, lora)
+        await worker.send(
+            job_succeeded=fpb.JobSucceeded(
+                lease=ref,
+                key=granted.urls.result_upload.key,
+                size_bytes=len(lora),
+                sha256=hashlib.sha256(lora).hexdigest(),
+                step=100,
+                loss=0.1,
+            )
+        )
+        async for response in fleet.alice.stub.WatchJob(
+            pb.WatchJobRequest(job_id=job.job_id), metadata=fleet.alice.metadata, timeout=15
+        ):
+            if (
+                response.event.kind == pb.JOB_EVENT_KIND_CHECKPOINT_DELETED
+                and response.event.step == 30
+            ):
+                break
+        assert await store.list(f"jobs/{job.job_id}/checkpoints/") == []
+        done = await fleet.alice.get(job.job_id)
+        assert done.state == pb.JOB_STATE_SUCCEEDED
+        assert done.result.sha256 == hashlib.sha256(lora).hexdigest()
+        artifacts = await fleet.alice.stub.GetJobArtifacts(
+            pb.GetJobArtifactsRequest(job_id=job.job_id), metadata=fleet.alice.metadata
+        )
+        assert await _get(artifacts.result.url) == lora
+
+
+@pytest.mark.parametrize("scheduler_overrides", [{"lease_ttl_s": 1.0}])
+async def test_ttl_expiry_requeues_first_and_fences_the_old_holder(fleet: Fleet) -> None:
+    job = await fleet.alice.submit()
+    async with connect_worker(fleet.channel, fleet.token, "slow") as slow:
+        first = await slow.ready_for_lease()
+        # No heartbeat: the sweeper expires the lease and the scheduler tells the holder.
+        revoked = await slow.expect("lease_revoked")
+        assert revoked.reason == fpb.REVOKE_REASON_SUPERSEDED
+        newer = await fleet.alice.submit(priority=100)
+        async with connect_worker(fleet.channel, fleet.token, "fast") as fast:
+            second = await fast.ready_for_lease()
+            # The re-queued job (it has progress) goes before a fresh higher-priority one.
+            assert second.lease.job_id == job.job_id and second.lease.epoch == 2
+            await slow.heartbeat(first.lease, 50)
+            rejected = await slow.expect("rejected")
+            assert rejected.lease.lease_id == first.lease.lease_id
+            await slow.send(
+                checkpoint_committed=fpb.CheckpointCommitted(
+                    lease=slow.ref(first.lease),
+                    step=50,
+                    key=checkpoint_key(job.job_id, 50, 1),
+                    size_bytes=1,
+                    sha256=SHA,
+                )
+            )
+            await slow.expect("rejected")
+            await fast.heartbeat(second.lease, 3)
+            await fast.send(
+                draining=fpb.Draining(lease=fast.ref(second.lease), reason="spot notice")
+            )
+            # Drain re-queues at once (no TTL wait): the other worker is handed it.
+            again = await slow.ready_for_lease()
+            assert again.lease.job_id == job.job_id and again.lease.epoch == 3
+        assert (await fleet.alice.get(newer.job_id)).state == pb.JOB_STATE_QUEUED
+    kinds = [e.kind for e in await fleet.alice.events(job.job_id)]
+    assert pb.JOB_EVENT_KIND_LEASE_EXPIRED in kinds and pb.JOB_EVENT_KIND_DRAINED in kinds
+    audit = await fleet.scheduler.ledger.job_leases(job.job_id)
+    assert [(lease["epoch"], lease["machine_id"], lease["end_reason"]) for lease in audit] == [
+        (1, "slow", "expired"),
+        (2, "fast", "drained"),
+        (3, "slow", None),
+    ]
+
+
+async def test_node_failures_ban_and_count_input_failure_fails_at_once(fleet: Fleet) -> None:
+    job = await fleet.alice.submit(max_failures=2)
+    async with (
+        connect_worker(fleet.channel, fleet.token, "a") as a,
+        connect_worker(fleet.channel, fleet.token, "b") as b,
+    ):
+        granted = await a.ready_for_lease()
+        await a.send(
+            job_failed=fpb.JobFailed(
+                lease=a.ref(granted.lease),
+                failure_class=pb.FAILURE_CLASS_NODE,
+                message="CUDA error: illegal address",
+            )
+        )
+        # Banned on a: b gets it, a gets nothing even though it is idle first.
+        await a.send(ready=fpb.Ready())
+        regranted = await b.ready_for_lease()
+        assert regranted.lease.job_id == job.job_id and regranted.lease.epoch == 2
+        await b.send(
+            job_failed=fpb.JobFailed(
+                lease=b.ref(regranted.lease),
+                failure_class=pb.FAILURE_CLASS_NODE,
+                message="CUDA out of memory",
+            )
+        )
+        bad = await fleet.alice.submit()
+        granted_bad = await b.ready_for_lease()  # a is idle too, but the ledger order is fair
+        assert granted_bad.lease.job_id == bad.job_id or granted_bad.lease.job_id != job.job_id
+        await b.send(
+            job_failed=fpb.JobFailed(
+                lease=b.ref(granted_bad.lease),
+                failure_class=pb.FAILURE_CLASS_INPUT,
+                message="x.png: unreadable",
+            )
+        )
+    failed = await fleet.alice.get(job.job_id)
+    assert failed.state == pb.JOB_STATE_FAILED and failed.failures == 2
+    assert failed.failure_class == pb.FAILURE_CLASS_NODE and "out of memory" in failed.error
+    input_failed = await fleet.alice.get(bad.job_id)
+    assert input_failed.state == pb.JOB_STATE_FAILED and input_failed.failures == 0
+    assert input_failed.failure_class == pb.FAILURE_CLASS_INPUT
+
+
+async def test_cancel_is_pushed_to_the_holder(fleet: Fleet) -> None:
+    job = await fleet.alice.submit()
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        granted = await worker.ready_for_lease()
+        canceled = await fleet.alice.cancel(job.job_id)
+        assert canceled.state == pb.JOB_STATE_CANCELED
+        revoked = await worker.expect("lease_revoked")
+        assert revoked.reason == fpb.REVOKE_REASON_CANCELED
+        assert revoked.lease.lease_id == granted.lease.lease_id
+        await worker.heartbeat(granted.lease, 1)
+        await worker.expect("rejected")
+    assert (await fleet.alice.cancel(job.job_id)).state == pb.JOB_STATE_CANCELED  # idempotent
+
+
+async def test_reconnect_within_ttl_keeps_the_lease(fleet: Fleet) -> None:
+    job = await fleet.alice.submit()
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        granted = await worker.ready_for_lease()
+    # The stream dropped; the lease is still the job's.
+    held = fpb.LeaseRef(lease_id=granted.lease.lease_id, epoch=granted.lease.epoch)
+    async with connect_worker(fleet.channel, fleet.token, "m1", held=held) as back:
+        assert back.welcome is not None
+        assert back.welcome.resumed_lease.lease_id == granted.lease.lease_id
+        renewed = await back.expect("urls_renewed")
+        assert renewed.urls.instance_files[0].name == "1.png"
+        await back.heartbeat(granted.lease, 12)
+        await back.send(ready=fpb.Ready())  # abandon it: nothing else is queued
+    assert (await fleet.alice.get(job.job_id)).progress.step == 12
+    # Another machine cannot take over a lease by naming it.
+    async with connect_worker(fleet.channel, fleet.token, "thief", held=held) as thief:
+        assert thief.welcome is not None and not thief.welcome.resumed_lease.lease_id
+
+
+async def test_worker_auth_and_hello_are_checked(fleet: Fleet) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as denied:
+        async with connect_worker(fleet.channel, "wrong", "m1"):
+            pass
+    assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        async with connect_worker(fleet.channel, fleet.token, "bad id with spaces"):
+            pass
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hello.machine_id" in (bad.value.details() or "")
+
+
+async def test_unqualified_worker_gets_no_work(fleet: Fleet) -> None:
+    await fleet.alice.submit()
+    async with (
+        connect_worker(fleet.channel, fleet.token, "broken", qualified=False) as broken,
+        connect_worker(fleet.channel, fleet.token, "good") as good,
+    ):
+        await broken.send(ready=fpb.Ready())
+        await good.ready_for_lease()
+
+
+async def test_vram_requirement(fleet: Fleet) -> None:
+    job = await fleet.alice.submit(min_vram_mb=40_000)
+    async with (
+        connect_worker(fleet.channel, fleet.token, "small", vram_mb=24_000) as small,
+        connect_worker(fleet.channel, fleet.token, "big", vram_mb=80_000) as big,
+    ):
+        await small.send(ready=fpb.Ready())
+        granted = await big.ready_for_lease()
+        assert granted.lease.job_id == job.job_id
+
+
+async def test_owners_are_isolated(fleet: Fleet) -> None:
+    job = await fleet.alice.submit()
+    for call in (fleet.bob.get, fleet.bob.cancel, fleet.bob.events):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call(job.job_id)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    listed = await fleet.bob.stub.ListJobs(pb.ListJobsRequest(), metadata=fleet.bob.metadata)
+    assert list(listed.jobs) == []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in fleet.bob.stub.WatchJob(
+            pb.WatchJobRequest(job_id=job.job_id), metadata=fleet.bob.metadata, timeout=10
+        ):
+            pass
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await fleet.alice.stub.GetJob(pb.GetJobRequest(job_id=str(uuid.uuid4())), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_watch_streams_progress_until_final(fleet: Fleet) -> None:
+    job = await fleet.alice.submit(max_train_steps=10)
+    stream = fleet.alice.stub.WatchJob(
+        pb.WatchJobRequest(job_id=job.job_id), metadata=fleet.alice.metadata, timeout=20
+    )
+    first = await stream.read()
+    assert first.job.state == pb.JOB_STATE_QUEUED and not first.HasField("event")
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        granted = await worker.ready_for_lease()
+        await worker.heartbeat(granted.lease, 5, loss=0.5, seconds_per_step=2.0)
+        lora = b"x"
+        await _put(granted.urls.result_upload.url, lora)
+        await worker.send(
+            job_succeeded=fpb.JobSucceeded(
+                lease=worker.ref(granted.lease),
+                key=granted.urls.result_upload.key,
+                size_bytes=1,
+                sha256=hashlib.sha256(lora).hexdigest(),
+                step=10,
+            )
+        )
+        seen = []
+        while (response := await stream.read()) is not grpc.aio.EOF:
+            seen.append(response.event.kind)
+            last = response
+        assert seen[-1] == pb.JOB_EVENT_KIND_SUCCEEDED
+        assert pb.JOB_EVENT_KIND_HEARTBEAT in seen
+        assert last.job.state == pb.JOB_STATE_SUCCEEDED
+
+
+async def test_list_jobs_filters_and_pages(fleet: Fleet) -> None:
+    ids = [
+        (await fleet.alice.submit(labels={"batch": "b1" if i % 2 else "b2"})).job_id
+        for i in range(5)
+    ]
+    pages, token = [], ""
+    while True:
+        response = await fleet.alice.stub.ListJobs(
+            pb.ListJobsRequest(page_size=2, page_token=token, labels={"batch": "b2"}),
+            metadata=fleet.alice.metadata,
+        )
+        pages.append([j.job_id for j in response.jobs])
+        token = response.next_page_token
+        if not token:
+            break
+    assert [len(p) for p in pages] == [2, 1]
+    assert sorted(sum(pages, [])) == sorted(ids[0::2])
+    queued = await fleet.alice.stub.ListJobs(
+        pb.ListJobsRequest(states=[pb.JOB_STATE_RUNNING]), metadata=fleet.alice.metadata
+    )
+    assert list(queued.jobs) == []
