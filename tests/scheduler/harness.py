@@ -41,25 +41,25 @@ class UserClient:
         return (("authorization", f"Bearer {self.api_key}"),)
 
     async def submit(self, **overrides: Any) -> pb.Job:
-        response = await self.stub.SubmitJob(
+        response: pb.SubmitJobResponse = await self.stub.SubmitJob(
             pb.SubmitJobRequest(spec=spec(**overrides)), metadata=self.metadata, timeout=WAIT_S
         )
         return response.job
 
     async def get(self, job_id: str) -> pb.Job:
-        response = await self.stub.GetJob(
+        response: pb.GetJobResponse = await self.stub.GetJob(
             pb.GetJobRequest(job_id=job_id), metadata=self.metadata, timeout=WAIT_S
         )
         return response.job
 
     async def cancel(self, job_id: str) -> pb.Job:
-        response = await self.stub.CancelJob(
+        response: pb.CancelJobResponse = await self.stub.CancelJob(
             pb.CancelJobRequest(job_id=job_id), metadata=self.metadata, timeout=WAIT_S
         )
         return response.job
 
     async def events(self, job_id: str) -> list[pb.JobEvent]:
-        response = await self.stub.ListJobEvents(
+        response: pb.ListJobEventsResponse = await self.stub.ListJobEvents(
             pb.ListJobEventsRequest(job_id=job_id), metadata=self.metadata, timeout=WAIT_S
         )
         return list(response.events)
@@ -77,7 +77,7 @@ class ScriptedWorker:
     async def send(self, **message: Any) -> None:
         await self.call.write(fpb.ConnectRequest(**message))
 
-    async def expect(self, kind: str, timeout: float = WAIT_S) -> Any:
+    async def expect(self, kind: str, timeout: float = WAIT_S) -> Any:  # noqa: ASYNC109
         """Reads until a message of `kind` arrives; others are kept in `received`."""
 
         async def read() -> Any:

@@ -351,7 +351,7 @@ async def test_list_jobs_filters_and_pages(fleet: Fleet) -> None:
         if not token:
             break
     assert [len(p) for p in pages] == [2, 1]
-    assert sorted(sum(pages, [])) == sorted(ids[0::2])
+    assert sorted(j for page in pages for j in page) == sorted(ids[0::2])
     queued = await fleet.alice.stub.ListJobs(
         pb.ListJobsRequest(states=[pb.JOB_STATE_RUNNING]), metadata=fleet.alice.metadata
     )
