@@ -47,7 +47,9 @@ class SchedulerConfig:
     hello_timeout_s: float = 10.0
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> SchedulerConfig:
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, /, **overrides: object
+    ) -> SchedulerConfig:
         """`LORAFLEET_*` and `DATABASE_URL` (README, "Configuration"); keyword overrides win."""
         e = os.environ if env is None else env
         storage: S3Config | LocalStorage

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
-import os
+import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,13 +86,15 @@ class EmbeddedPostgres:
         self._server: Any = None
 
     def start(self) -> str:
-        # pgserver ships the Postgres binaries as a wheel: no system install needed.
-        from pgserver.postgres_server import get_server
-
         self._data_dir.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("XDG_RUNTIME_DIR", str(self._data_dir))
+        # pgserver logs every pg_ctl call at INFO; its failures still surface as exceptions.
+        logging.getLogger("pgserver").setLevel(logging.WARNING)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # platformdirs' RuntimeDirWarning on headless hosts
+            # platformdirs warns about XDG_RUNTIME_DIR on headless hosts when pgserver imports.
+            warnings.simplefilter("ignore")
+            # pgserver ships the Postgres binaries as a wheel: no system install needed.
+            from pgserver.postgres_server import get_server
+
             self._server = get_server(self._data_dir, cleanup_mode="stop")
         uri: str = self._server.get_uri()
         return uri
