@@ -64,7 +64,9 @@ def job_specs(draw: st.DrawFn) -> pb.JobSpec:
             spec.labels[key] = value
     if draw(st.booleans()):
         spec.webhook.url = draw(st.one_of(texts, st.just("https://example.test/hook")))
-        spec.webhook.events.extend(draw(st.lists(st.integers(-2, 6), max_size=3)))
+        spec.webhook.events.extend(
+            pb.WebhookEvent.ValueType(e) for e in draw(st.lists(st.integers(-2, 6), max_size=3))
+        )
     return spec
 
 
