@@ -164,7 +164,10 @@ async def test_bad_requests_get_invalid_argument_naming_the_field(fleet: Fleet) 
                     (
                         stub.ListJobs,
                         pb.ListJobsRequest(
-                            page_size=page_size, page_token=token, states=states, labels=labels
+                            page_size=page_size,
+                            page_token=token,
+                            states=[pb.JobState.ValueType(s) for s in states],
+                            labels=labels,
                         ),
                         {"page_size", "page_token", "labels"} | {f"states[{i}]" for i in range(3)},
                     ),
