@@ -1,0 +1,158 @@
+"""What every object-storage backend offers the scheduler, and the key rules they share.
+
+The scheduler is the only process holding storage credentials. Workers get short-lived signed
+URLs for exactly the keys of their job (DESIGN.md, "Checkpoints"); everything server-side
+(listing, deleting, small reads and writes) goes through an `ObjectStore`.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from types import TracebackType
+from typing import Literal, Protocol, Self
+
+from lorafleet.errors import InvalidArgument, StorageError
+
+# SigV4 presigned URLs live at most 7 days; the local backend keeps the same bound so that a
+# caller written against one backend never fails on the other.
+MAX_URL_TTL_S = 7 * 24 * 3600
+# S3's key limit, in UTF-8 bytes.
+MAX_KEY_BYTES = 1024
+# Most filesystems' limit on one path component; the local backend maps segments to names.
+MAX_SEGMENT_BYTES = 255
+# Names starting with this are the local backend's in-progress uploads; no key may use it, so an
+# upload that never finished can never be mistaken for (or collide with) an object.
+RESERVED_SEGMENT_PREFIX = ".lftmp-"
+
+HttpMethod = Literal["GET", "PUT"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SignedUrl:
+    """A URL that lets its holder do one thing (`method`) to one object (`key`) until expiry.
+
+    PUT URLs take the raw body with a plain HTTP PUT; no extra headers are required (a
+    `Content-MD5` header is honoured and checked).
+    """
+
+    key: str
+    url: str
+    method: HttpMethod
+    expires_at: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObjectInfo:
+    """One stored object, as listed."""
+
+    key: str
+    size_bytes: int
+
+
+class ObjectNotFound(StorageError):
+    """The key names no object; retrying cannot help."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"no object at key {key!r}", retryable=False)
+        self.key = key
+
+
+class ObjectStore(Protocol):
+    """Async object storage for the scheduler; one way to do each thing.
+
+    Lifecycle: `async with store:` (or `start()` ... `close()`); `close()` is idempotent.
+    Every method raises `StorageError` (with `retryable` set) when storage fails, and
+    `InvalidArgument` (field "key" or "prefix") for a key that breaks `validate_key`.
+    """
+
+    async def start(self) -> None:
+        """Connect (and, where configured, create the bucket or start serving URLs)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections and stop serving; safe to call twice."""
+        ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+    async def presign_get(self, key: str, *, ttl_s: int) -> SignedUrl:
+        """A URL that reads `key` (GET) for `ttl_s` seconds; the object need not exist yet."""
+        ...
+
+    async def presign_put(self, key: str, *, ttl_s: int) -> SignedUrl:
+        """A URL that writes `key` with a plain HTTP PUT of the body for `ttl_s` seconds."""
+        ...
+
+    async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
+        """Every object whose key starts with `prefix` (a plain string prefix, as in S3),
+        across all pages, sorted by key."""
+        ...
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Delete `keys` in as few requests as the backend allows; missing keys are fine."""
+        ...
+
+    async def put_bytes(self, key: str, data: bytes) -> None:
+        """Store `data` at `key`, replacing any object there; readers see old or new, never a
+        mix."""
+        ...
+
+    async def get_bytes(self, key: str) -> bytes:
+        """The object's bytes; `ObjectNotFound` when there is none."""
+        ...
+
+
+def validate_key(key: str, *, field: str = "key") -> None:
+    """Raise `InvalidArgument` unless `key` is a plain relative path both backends can store.
+
+    Rules: 1..1024 UTF-8 bytes; "/"-separated segments, none empty, "." or ".." and none over
+    255 bytes; no backslash or control characters; no segment starting with ".lftmp-". These
+    keep a key from escaping the local backend's root and make the two backends agree on which
+    keys exist.
+    """
+    if not key:
+        raise InvalidArgument(field, "must not be empty")
+    if len(key.encode("utf-8", errors="surrogatepass")) > MAX_KEY_BYTES:
+        raise InvalidArgument(field, f"longer than {MAX_KEY_BYTES} bytes")
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in key):
+        raise InvalidArgument(field, "contains a control character")
+    if "\\" in key:
+        raise InvalidArgument(field, 'contains "\\"')
+    for segment in key.split("/"):
+        if segment in ("", ".", ".."):
+            raise InvalidArgument(field, 'has an empty, "." or ".." segment (or a leading "/")')
+        try:
+            encoded = segment.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgument(field, "is not valid UTF-8") from None
+        if len(encoded) > MAX_SEGMENT_BYTES:
+            raise InvalidArgument(field, f"has a segment longer than {MAX_SEGMENT_BYTES} bytes")
+        if segment.startswith(RESERVED_SEGMENT_PREFIX):
+            raise InvalidArgument(field, f"has a segment starting with {RESERVED_SEGMENT_PREFIX!r}")
+
+
+def validate_prefix(prefix: str) -> None:
+    """Raise `InvalidArgument` unless `prefix` is "" or a key, optionally ending in "/"."""
+    stem = prefix.removesuffix("/")
+    if stem:
+        validate_key(stem, field="prefix")
+    elif prefix:
+        raise InvalidArgument("prefix", 'must not be "/"')
+
+
+def check_ttl(ttl_s: int) -> None:
+    """Raise `ValueError` unless `ttl_s` is a whole number of seconds in 1..7 days."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int):
+        raise TypeError(f"ttl_s must be an int, got {type(ttl_s).__name__}")
+    if not 1 <= ttl_s <= MAX_URL_TTL_S:
+        raise ValueError(f"ttl_s must be in 1..{MAX_URL_TTL_S}, got {ttl_s}")
