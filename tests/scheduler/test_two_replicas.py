@@ -8,7 +8,9 @@ through the *other* replica. Then the ledger is audited.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import itertools
 import os
 import random
 import re
@@ -92,47 +94,49 @@ async def run_worker(
     async with aiohttp.ClientSession() as http:
         while not done.is_set():
             port = rng.choice(ports)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                async with connect_worker(channel, TOKEN, machine) as worker:
-                    while not done.is_set():
-                        await worker.send(ready=fpb.Ready())
-                        message = None
-                        while message is None or message.WhichOneof("message") != "lease_granted":
-                            read = asyncio.ensure_future(worker.call.read())
-                            stop = asyncio.ensure_future(done.wait())
-                            await asyncio.wait([read, stop], return_when=asyncio.FIRST_COMPLETED)
-                            if done.is_set():
-                                read.cancel()
-                                stop.cancel()
-                                return
+            async with (
+                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+                connect_worker(channel, TOKEN, machine) as worker,
+            ):
+                while not done.is_set():
+                    await worker.send(ready=fpb.Ready())
+                    message = None
+                    while message is None or message.WhichOneof("message") != "lease_granted":
+                        read = asyncio.ensure_future(worker.call.read())
+                        stop = asyncio.ensure_future(done.wait())
+                        await asyncio.wait([read, stop], return_when=asyncio.FIRST_COMPLETED)
+                        if done.is_set():
+                            read.cancel()
                             stop.cancel()
-                            message = read.result()
-                            assert message is not grpc.aio.EOF
-                        granted = message.lease_granted
-                        grants.append((granted.lease.job_id, granted.lease.epoch, machine))
-                        ref = worker.ref(granted.lease)
-                        await worker.heartbeat(granted.lease, 1, loss=0.5, seconds_per_step=0.01)
-                        roll = rng.random()
-                        if roll < 0.1:
-                            stats["dropped"] += 1
-                            break  # drop the stream holding the lease: it must expire
-                        if roll < 0.2:
-                            stats["drained"] += 1
-                            await worker.send(draining=fpb.Draining(lease=ref, reason="spot"))
-                            break
-                        lora = f"lora {granted.lease.job_id}".encode()
-                        async with http.put(granted.urls.result_upload.url, data=lora) as r:
-                            assert r.status in (200, 201, 204)
-                        await worker.send(
-                            job_succeeded=fpb.JobSucceeded(
-                                lease=ref,
-                                key=granted.urls.result_upload.key,
-                                size_bytes=len(lora),
-                                sha256=hashlib.sha256(lora).hexdigest(),
-                                step=10,
-                            )
+                            return
+                        stop.cancel()
+                        message = read.result()
+                        assert message is not grpc.aio.EOF
+                    granted = message.lease_granted
+                    grants.append((granted.lease.job_id, granted.lease.epoch, machine))
+                    ref = worker.ref(granted.lease)
+                    await worker.heartbeat(granted.lease, 1, loss=0.5, seconds_per_step=0.01)
+                    roll = rng.random()
+                    if roll < 0.1:
+                        stats["dropped"] += 1
+                        break  # drop the stream holding the lease: it must expire
+                    if roll < 0.2:
+                        stats["drained"] += 1
+                        await worker.send(draining=fpb.Draining(lease=ref, reason="spot"))
+                        break
+                    lora = f"lora {granted.lease.job_id}".encode()
+                    async with http.put(granted.urls.result_upload.url, data=lora) as r:
+                        assert r.status in (200, 201, 204)
+                    await worker.send(
+                        job_succeeded=fpb.JobSucceeded(
+                            lease=ref,
+                            key=granted.urls.result_upload.key,
+                            size_bytes=len(lora),
+                            sha256=hashlib.sha256(lora).hexdigest(),
+                            step=10,
                         )
-                        stats["succeeded"] += 1
+                    )
+                    stats["succeeded"] += 1
 
 
 async def test_two_replicas_fifty_workers_never_grant_twice(
@@ -172,27 +176,24 @@ async def test_two_replicas_fifty_workers_never_grant_twice(
         canceled = set(rng.sample(job_ids, CANCELS))
         for i, job_id in enumerate(canceled):
             await clients[i % 2].cancel(job_id)
+        # Event-driven wait: every job event anywhere wakes the check (bounded overall).
+        listener = await asyncpg.connect(database_url)
+        woke = asyncio.Event()
+        await listener.add_listener("lorafleet_job_event", lambda *_: woke.set())
         try:
             async with asyncio.timeout(180):
                 while True:
+                    woke.clear()
                     listed = await clients[0].stub.ListJobs(
                         pb.ListJobsRequest(page_size=1000), metadata=clients[0].metadata
                     )
                     states = Counter(j.state for j in listed.jobs)
                     if states[pb.JOB_STATE_QUEUED] == states[pb.JOB_STATE_RUNNING] == 0:
                         break
-                    # Event-driven wait: the next job event anywhere wakes us (bounded).
-                    conn = await asyncpg.connect(database_url)
-                    woke = asyncio.Event()
-                    await conn.add_listener("lorafleet_job_event", lambda *_: woke.set())
-                    try:
-                        async with asyncio.timeout(5):
-                            await woke.wait()
-                    except TimeoutError:
-                        pass
-                    finally:
-                        await conn.close()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(woke.wait(), 5)
         finally:
+            await listener.close()
             done.set()
             await asyncio.gather(*workers, return_exceptions=True)
             for c in channels:
@@ -222,9 +223,9 @@ async def test_two_replicas_fifty_workers_never_grant_twice(
     by_job: dict[str, list[asyncpg.Record]] = defaultdict(list)
     for lease in leases:
         by_job[str(lease["job_id"])].append(lease)
-    for job_id, job_leases in by_job.items():
+    for job_leases in by_job.values():
         assert [lease["epoch"] for lease in job_leases] == list(range(1, len(job_leases) + 1))
-        for earlier, later in zip(job_leases, job_leases[1:], strict=False):
+        for earlier, later in itertools.pairwise(job_leases):
             # A lease is only granted after the previous one ended: never two live at once.
             assert earlier["ended_at"] is not None and earlier["ended_at"] <= later["granted_at"]
     for job_id in job_ids:
