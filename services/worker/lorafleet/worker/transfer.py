@@ -35,7 +35,7 @@ T = TypeVar("T")
 _RETRYABLE_STATUSES = frozenset({408, 429})
 _UPLOAD_BLOCK_BYTES = 256 * 1024
 # How much of an error response body to quote; S3 and the local backend explain refusals there.
-_ERROR_BODY_CHARS = 300
+_ERROR_BODY_BYTES = 512
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,16 +247,16 @@ class TransferClient:
 async def _raise_for_status(response: aiohttp.ClientResponse, method: str, url: str) -> None:
     if response.status < 400:
         return
-    body = (await response.text(errors="replace"))[:_ERROR_BODY_CHARS].strip()
+    # Bounded: an error body is an explanation, never worth reading in full.
+    raw = await response.content.read(_ERROR_BODY_BYTES)
+    body = raw.decode("utf-8", errors="replace").strip()
     summary = f"HTTP {response.status} {response.reason or ''}".rstrip()
     detail = f"{summary}: {body}" if body else summary
     if response.status >= 500 or response.status in _RETRYABLE_STATUSES:
         raise _Retryable(detail, retry_after_s=_retry_after_s(response))
-    raise StorageError(
-        f"{method} {redact_url(url)}: {detail} (not retryable: the URL may have expired or "
-        "does not allow this)",
-        retryable=False,
-    )
+    # 403 is what an expired or wrongly scoped URL gets; the body (S3's XML, the local
+    # backend's text) says which.
+    raise StorageError(f"{method} {redact_url(url)}: {detail} (not retryable)", retryable=False)
 
 
 def _retry_after_s(response: aiohttp.ClientResponse) -> float | None:

@@ -370,7 +370,10 @@ class LocalObjectServer:
             expires=expires,
         )
         # Constant-time, so the response time reveals nothing about how much of a guess matched.
-        if not hmac.compare_digest(expected, values[PARAM_SIGNATURE]):
+        # As bytes: compare_digest refuses str with non-ASCII characters, which a client may send.
+        if not hmac.compare_digest(
+            expected.encode(), values[PARAM_SIGNATURE].encode(errors="replace")
+        ):
             return "signature does not match this key, method and expiry"
         allowed = ("GET", "HEAD") if signed_method == "GET" else ("PUT",)
         if request.method not in allowed:
