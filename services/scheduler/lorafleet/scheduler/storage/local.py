@@ -388,9 +388,9 @@ class LocalObjectServer:
             file, size = await asyncio.to_thread(_open_object, path)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return _refuse(request, 404, f"no object at key {key!r}", key=key)
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        response.content_length = size
         try:
-            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-            response.content_length = size
             await response.prepare(request)
             if request.method == "GET":
                 # The open file keeps the version that was current at open time, even if a PUT
@@ -398,9 +398,12 @@ class LocalObjectServer:
                 while block := await asyncio.to_thread(file.read, _IO_BLOCK_BYTES):
                     await response.write(block)
             await response.write_eof()
-            return response
+        except OSError as exc:
+            # The client went away mid-download; it retries with a new request.
+            log.info("storage.local.download_interrupted", key=key, error=str(exc))
         finally:
             file.close()
+        return response
 
     async def _put(self, request: web.Request, key: str, path: Path) -> web.StreamResponse:
         length = request.content_length
@@ -424,7 +427,9 @@ class LocalObjectServer:
         try:
             writer = await asyncio.to_thread(_AtomicWriter, path)
         except StorageError as exc:
-            return _refuse(request, 409 if not exc.retryable else 500, str(exc), key=key)
+            return _refuse(
+                request, 409 if isinstance(exc, _KeyConflict) else 500, str(exc), key=key
+            )
         md5 = hashlib.md5(usedforsecurity=False)
         received = 0
         pending = bytearray()
@@ -445,7 +450,9 @@ class LocalObjectServer:
             await asyncio.to_thread(writer.write, bytes(pending))
             await asyncio.to_thread(writer.commit)
         except StorageError as exc:
-            return _refuse(request, 409 if not exc.retryable else 500, str(exc), key=key)
+            return _refuse(
+                request, 409 if isinstance(exc, _KeyConflict) else 500, str(exc), key=key
+            )
         except (OSError, HttpProcessingError) as exc:
             # The client went away or sent a broken body. Nobody is left to read an answer;
             # say so in the log instead of letting aiohttp print a traceback.
@@ -585,6 +592,13 @@ class _Files:
             directory = directory.parent
 
 
+class _KeyConflict(StorageError):
+    """`a` and `a/b` cannot both be files: the key collides with another key's folder."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)
+
+
 class _AtomicWriter:
     """Writes one object into a temporary file beside it, then renames it into place.
 
@@ -599,9 +613,7 @@ class _AtomicWriter:
         try:
             fd, temp = self._make_temporary(path.parent)
         except (FileExistsError, NotADirectoryError) as exc:
-            raise StorageError(
-                f"{path.name!r}: a parent folder is an existing object's name", retryable=False
-            ) from exc
+            raise _KeyConflict(f"{path.name!r}: a parent folder is an existing object") from exc
         except PermissionError as exc:
             raise StorageError(f"cannot write {path}: {exc}", retryable=False) from exc
         except OSError as exc:
@@ -634,9 +646,7 @@ class _AtomicWriter:
                 self._file.close()
                 os.replace(self._temp, self._path)
             except IsADirectoryError as exc:
-                raise StorageError(
-                    f"{self._path.name!r} is a folder of other objects", retryable=False
-                ) from exc
+                raise _KeyConflict(f"{self._path.name!r} is a folder of other objects") from exc
             except OSError as exc:
                 raise StorageError(f"cannot write {self._path}: {exc}", retryable=True) from exc
             self._done = True
