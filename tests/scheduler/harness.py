@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +57,18 @@ class UserClient:
             pb.CancelJobRequest(job_id=job_id), metadata=self.metadata, timeout=WAIT_S
         )
         return response.job
+
+    async def wait_for(self, job_id: str, predicate: Callable[[pb.Job], bool]) -> pb.Job:
+        """Watches the job until `predicate` holds (event-driven, bounded by WAIT_S)."""
+        stream = self.stub.WatchJob(
+            pb.WatchJobRequest(job_id=job_id), metadata=self.metadata, timeout=WAIT_S
+        )
+        async for response in stream:
+            if predicate(response.job):
+                stream.cancel()
+                job: pb.Job = response.job
+                return job
+        raise AssertionError(f"job {job_id} ended without meeting the condition")
 
     async def events(self, job_id: str) -> list[pb.JobEvent]:
         response: pb.ListJobEventsResponse = await self.stub.ListJobEvents(
