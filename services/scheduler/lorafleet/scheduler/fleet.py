@@ -514,10 +514,12 @@ class Fleet:
         if queued == 0:
             return
         granted = 0
-        for start in range(0, len(idle), _CLAIM_CONCURRENCY):
-            if granted >= queued:
-                break
-            batch = idle[start : start + _CLAIM_CONCURRENCY]
+        position = 0
+        while position < len(idle) and granted < queued:
+            # No more claims in flight than jobs left: extra ones would only find nothing.
+            width = min(_CLAIM_CONCURRENCY, queued - granted)
+            batch = idle[position : position + width]
+            position += width
             results = await asyncio.gather(*(self._offer(s) for s in batch))
             granted += sum(results)
 
