@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections import Counter
 from typing import Any
 
 import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 from tests.scheduler.conftest import Fleet
@@ -204,3 +207,118 @@ async def test_bad_requests_get_invalid_argument_naming_the_field(fleet: Fleet) 
         if not (token := page.next_page_token):
             break
     assert sorted(listed) == sorted(set(accepted))
+
+
+WORKER_MESSAGES = st.one_of(
+    st.builds(
+        lambda lease_id, epoch, step, loss: fpb.ConnectRequest(
+            heartbeat=fpb.Heartbeat(
+                lease=fpb.LeaseRef(lease_id=lease_id, epoch=epoch), step=step, loss=loss
+            )
+        ),
+        texts,
+        ints,
+        ints,
+        floats,
+    ),
+    st.builds(
+        lambda lease_id, epoch, step, key, size, sha: fpb.ConnectRequest(
+            checkpoint_committed=fpb.CheckpointCommitted(
+                lease=fpb.LeaseRef(lease_id=lease_id, epoch=epoch),
+                step=step,
+                key=key,
+                size_bytes=size,
+                sha256=sha,
+            )
+        ),
+        texts,
+        ints,
+        ints,
+        texts,
+        ints,
+        st.one_of(texts, st.just("a" * 64)),
+    ),
+    st.builds(
+        lambda lease_id, epoch, cls, message: fpb.ConnectRequest(
+            job_failed=fpb.JobFailed(
+                lease=fpb.LeaseRef(lease_id=lease_id, epoch=epoch),
+                failure_class=pb.FailureClass.ValueType(cls),
+                message=message,
+            )
+        ),
+        texts,
+        ints,
+        st.integers(-2, 6),
+        texts,
+    ),
+    st.builds(
+        lambda lease_id, epoch, kinds: fpb.ConnectRequest(
+            urls_requested=fpb.UrlsRequested(
+                lease=fpb.LeaseRef(lease_id=lease_id, epoch=epoch),
+                slots=[
+                    fpb.UploadSlot(kind=fpb.ArtifactKind.ValueType(k), step=s, index=i)
+                    for k, s, i in kinds
+                ],
+            )
+        ),
+        texts,
+        ints,
+        st.lists(st.tuples(st.integers(-1, 5), ints, ints), max_size=3),
+    ),
+    st.builds(
+        lambda lease_id, epoch, reason: fpb.ConnectRequest(
+            draining=fpb.Draining(lease=fpb.LeaseRef(lease_id=lease_id, epoch=epoch), reason=reason)
+        ),
+        texts,
+        ints,
+        texts,
+    ),
+    st.just(fpb.ConnectRequest()),
+    st.just(fpb.ConnectRequest(hello=fpb.Hello(machine_id="again"))),
+)
+
+
+async def test_bad_worker_messages_never_cause_an_internal_error(fleet: Fleet) -> None:
+    """A malformed worker message ends the stream with INVALID_ARGUMENT naming the field, or is
+    refused as stale (Rejected); the scheduler never fails internally and stays up."""
+    port = fleet.scheduler.port
+    metadata = (("authorization", f"Bearer {fleet.token}"),)
+    outcomes: Counter[str] = Counter()
+
+    def drive() -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = fgrpc.WorkerServiceStub(channel)
+
+            @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+            @given(message=WORKER_MESSAGES)
+            def one(message: fpb.ConnectRequest) -> None:
+                hello = fpb.ConnectRequest(
+                    hello=fpb.Hello(
+                        machine_id="fuzz", vram_mb=1, qualification=fpb.Qualification(passed=True)
+                    )
+                )
+                responses = stub.Connect(iter([hello, message]), metadata=metadata, timeout=10)
+                try:
+                    kinds = [r.WhichOneof("message") for r in responses]
+                    outcomes["rejected" if "rejected" in kinds else "ok"] += 1
+                    assert kinds[0] == "welcome"
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.details(), message)
+                    field = _field_of(err.details() or "")
+                    assert field.split(".")[0] in {
+                        "heartbeat",
+                        "checkpoint_committed",
+                        "job_failed",
+                        "urls_requested",
+                        "draining",
+                        "message",
+                        "hello",
+                    }, err.details()
+                    outcomes["invalid"] += 1
+
+            one()
+
+    await asyncio.to_thread(drive)
+    assert outcomes["invalid"] > 0 and outcomes["rejected"] > 0
+    # Still serving after all that.
+    assert (await fleet.alice.submit()).state == pb.JOB_STATE_QUEUED

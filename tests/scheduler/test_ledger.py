@@ -6,6 +6,7 @@ import asyncio
 import uuid
 
 import asyncpg
+import pytest
 
 from lorafleet.model import Checkpoint, FailureClass, JobResult, JobState, checkpoint_key
 from lorafleet.scheduler.database import migrate, migrations
@@ -214,5 +215,15 @@ async def test_migrations_equal_schema_and_are_idempotent(database_url: str) -> 
             r[0] for r in await conn.fetch("SELECT version FROM schema_migrations ORDER BY 1")
         ]
         assert versions == [m.version for m in migrations()]
+    finally:
+        await conn.close()
+
+
+async def test_an_edited_applied_migration_is_refused(database_url: str) -> None:
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute("UPDATE schema_migrations SET sha256 = 'edited' WHERE version = 1")
+        with pytest.raises(RuntimeError, match="changed after it was applied"):
+            await migrate(conn)
     finally:
         await conn.close()

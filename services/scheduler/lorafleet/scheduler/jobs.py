@@ -101,7 +101,7 @@ class JobHandler:
                 for sub in submissions
             ]
             jobs = await self._ledger.insert_jobs(owner, new)
-            span.set_attribute("lorafleet.jobs", len(jobs))
+            span.set_attribute("lorafleet.job_ids", [j.job_id for j in jobs])
         for job in jobs:
             log.info("job submitted", job_id=job.job_id, owner=owner)
         return jobs

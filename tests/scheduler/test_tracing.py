@@ -1,0 +1,30 @@
+"""Trace context travels with the job: the submit span's context reaches the worker's grant."""
+
+from __future__ import annotations
+
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from tests.scheduler.conftest import Fleet
+from tests.scheduler.harness import connect_worker
+
+
+async def test_grant_carries_the_submit_trace(
+    fleet: Fleet, span_exporter: InMemorySpanExporter
+) -> None:
+    job = await fleet.alice.submit()
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        granted = await worker.ready_for_lease()
+    submit_spans = [
+        s
+        for s in span_exporter.get_finished_spans()
+        if s.name == "lorafleet.submit"
+        and s.attributes
+        and s.attributes.get("lorafleet.job_ids") == (job.job_id,)
+    ]
+    assert len(submit_spans) == 1
+    context = submit_spans[0].context
+    assert context is not None
+    version, trace_id, span_id, _flags = granted.traceparent.split("-")
+    assert version == "00"
+    assert int(trace_id, 16) == context.trace_id
+    assert int(span_id, 16) == context.span_id
