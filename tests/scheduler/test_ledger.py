@@ -227,3 +227,35 @@ async def test_an_edited_applied_migration_is_refused(database_url: str) -> None
             await migrate(conn)
     finally:
         await conn.close()
+
+
+async def test_gpu_seconds_bill_leases_to_their_end_or_last_heartbeat(
+    ledger: Ledger, database_url: str
+) -> None:
+    job = (await ledger.insert_jobs("alice", [new_job()]))[0]
+    first = await ledger.claim_job("a", 0, 0.0)
+    assert first is not None
+    await ledger.expire_leases()  # vanished node: billed up to its last heartbeat
+    second = await ledger.claim_job("b", 0, TTL_S)
+    assert second is not None
+    await ledger.succeed_job(
+        _lease(second),
+        second.epoch,
+        JobResult(key="r", size_bytes=1, sha256="c" * 64),
+        step=100,
+        loss=None,
+    )
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(
+            "UPDATE leases SET granted_at = ended_at - interval '100 s',"
+            " last_heartbeat_at = ended_at - interval '40 s' WHERE epoch = 1"
+        )
+        await conn.execute(
+            "UPDATE leases SET granted_at = ended_at - interval '30 s',"
+            " last_heartbeat_at = ended_at - interval '5 s' WHERE epoch = 2"
+        )
+    finally:
+        await conn.close()
+    billed = await ledger.get_job(job.job_id, "alice")
+    assert billed is not None and billed.gpu_seconds == pytest.approx(60 + 30)

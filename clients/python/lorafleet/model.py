@@ -95,6 +95,8 @@ class Job:
     updated_at: datetime
     finished_at: datetime | None
     traceparent: str | None = None
+    # Billable accelerator seconds over every lease; known on reads (get, list), else None.
+    gpu_seconds: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -221,6 +221,7 @@ def job_to_proto(job: Job) -> pb.Job:
         updated_at=timestamp(job.updated_at),
         finished_at=timestamp(job.finished_at),
         machine_id=job.machine_id or "",
+        gpu_seconds=job.gpu_seconds or 0.0,
     )
     if job.latest_checkpoint is not None:
         msg.latest_checkpoint.CopyFrom(checkpoint_to_proto(job.latest_checkpoint))

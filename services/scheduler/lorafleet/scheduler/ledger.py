@@ -116,6 +116,7 @@ def job_from_row(row: asyncpg.Record) -> Job:
         updated_at=row["updated_at"],
         finished_at=row["finished_at"],
         traceparent=row["traceparent"],
+        gpu_seconds=float(row["gpu_seconds"] or 0) if "gpu_seconds" in row else None,
     )
 
 

@@ -552,6 +552,7 @@ class Job(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     MACHINE_ID_FIELD_NUMBER: _builtins.int
+    GPU_SECONDS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     state: Global___JobState.ValueType
     epoch: _builtins.int
@@ -563,6 +564,10 @@ class Job(_message.Message):
     failure_class: Global___FailureClass.ValueType
     machine_id: _builtins.str
     """The machine holding the live lease, when RUNNING."""
+    gpu_seconds: _builtins.float
+    """Billable accelerator seconds over every lease so far: grant to end, or to the last
+    heartbeat for a lease that expired (the node's work after it is unknown).
+    """
     @_builtins.property
     def spec(self) -> Global___JobSpec: ...
     @_builtins.property
@@ -594,10 +599,11 @@ class Job(_message.Message):
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         finished_at: _timestamp_pb2.Timestamp | None = ...,
         machine_id: _builtins.str = ...,
+        gpu_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "latest_checkpoint", b"latest_checkpoint", "progress", b"progress", "result", b"result", "spec", b"spec", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "epoch", b"epoch", "error", b"error", "failure_class", b"failure_class", "failures", b"failures", "finished_at", b"finished_at", "job_id", b"job_id", "latest_checkpoint", b"latest_checkpoint", "machine_id", b"machine_id", "progress", b"progress", "result", b"result", "spec", b"spec", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "epoch", b"epoch", "error", b"error", "failure_class", b"failure_class", "failures", b"failures", "finished_at", b"finished_at", "gpu_seconds", b"gpu_seconds", "job_id", b"job_id", "latest_checkpoint", b"latest_checkpoint", "machine_id", b"machine_id", "progress", b"progress", "result", b"result", "spec", b"spec", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
