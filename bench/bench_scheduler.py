@@ -23,6 +23,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -64,14 +65,17 @@ class Worker:
 
     def __init__(self, n: int, channel: grpc.aio.Channel) -> None:
         self.machine_id = f"bench-{n:05d}"
-        self.call = fgrpc.WorkerServiceStub(channel).Connect(
-            metadata=(("authorization", f"Bearer {TOKEN}"),)
-        )
+        self.channel = channel
+        self.call: Any = None
         self.granted: fpb.LeaseGranted | None = None
         self.granted_at = 0.0
         self.got_grant = asyncio.Event()
 
     async def connect(self) -> None:
+        # Opened here, not in __init__: the scheduler wants Hello within seconds of the open.
+        self.call = fgrpc.WorkerServiceStub(self.channel).Connect(
+            metadata=(("authorization", f"Bearer {TOKEN}"),)
+        )
         await self.call.write(
             fpb.ConnectRequest(
                 hello=fpb.Hello(
