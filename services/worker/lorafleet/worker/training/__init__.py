@@ -1,0 +1,95 @@
+"""SDXL DreamBooth-LoRA training, in the caller's process, with checkpoints that stay in memory.
+
+Built from diffusers components (UNet2DConditionModel, AutoencoderKL, CLIPTextModel +
+CLIPTextModelWithProjection with their CLIPTokenizers, a DDPMScheduler from the base model's
+scheduler config), peft LoRA and accelerate. No subprocess, no script.
+
+The interface the worker agent uses::
+
+    from lorafleet.worker.training import (
+        Trainer, TrainingConfig, TrainingHooks, TrainingImage, Finished, Stopped,
+        TrainingFailure, classify_exception, serialize_checkpoint, load_checkpoint,
+    )
+
+    config = TrainingConfig(spec=job_spec, model_path="/models/sdxl-base")  # + device, dtypes
+    trainer = Trainer(config)
+    outcome = await asyncio.to_thread(
+        trainer.run,
+        instance_images=[TrainingImage(name, data, caption), ...],  # images_from_files() pairs
+        class_images=[...],                # supplied or previously generated; may be empty
+        resume=load_checkpoint(blob),      # or None; raises CorruptCheckpoint if bad
+        hooks=TrainingHooks(
+            on_progress=lambda step, loss, lr, s_per_step: ...,   # latest value wins
+            should_stop=lambda: None | "cancel" | "drain",       # polled between steps
+            on_checkpoint=lambda snapshot: ...,    # serialize_checkpoint(snapshot) elsewhere
+            on_class_images=lambda [(index, png)]: ...,
+            on_validation_images=lambda step, [png]: ...,
+        ),
+    )
+    # Finished(step, loss, lora_weights: bytes of pytorch_lora_weights.safetensors)
+    # Stopped(step, reason, snapshot: TrainingSnapshot | None)  -- snapshot for a drain
+
+* `TrainingConfig` (config.py): frozen, keyword-only; the `JobSpec` plus this machine's
+  settings (model directory or hub `cache_dir`, device, frozen-weight dtype, sampling options).
+* `TrainingImage(name, data, caption)` (data.py): input bytes. Every unusable image (unreadable,
+  unsupported format, shorter side under max(64, resolution // 4) px, over 64 MP) is named in
+  one input-fault `TrainingFailure`.
+* `Trainer.run` (loop.py) blocks; call it from a worker thread. Hook semantics are documented
+  on `TrainingHooks`. Every error leaves as `TrainingFailure` with `failure_class` "node",
+  "input" or "internal" (failures.py; `classify_exception` classifies any exception).
+* Checkpoints (checkpoint.py): at each `checkpointing_steps` multiple the training thread only
+  copies tensors to host memory (`TrainingSnapshot`); `serialize_checkpoint` turns a snapshot
+  into one verified blob (safetensors + JSON, nothing pickled) on any thread, and
+  `load_checkpoint` reverses it. Resuming continues at step + 1 and, on the same kind of
+  device, produces bit-identical LoRA weights to an uninterrupted run.
+* Nothing is written to local disk by a run (model files are only read; a hub id is downloaded
+  into `cache_dir` by `from_pretrained` when no local directory is configured).
+"""
+
+from lorafleet.worker.training.checkpoint import (
+    TrainingSnapshot,
+    checkpoint_sha256,
+    load_checkpoint,
+    serialize_checkpoint,
+)
+from lorafleet.worker.training.config import TrainingConfig
+from lorafleet.worker.training.data import TrainingImage, images_from_files, min_image_side
+from lorafleet.worker.training.failures import (
+    CorruptCheckpoint,
+    FailureClass,
+    TrainingFailure,
+    classify_exception,
+)
+from lorafleet.worker.training.loop import (
+    Finished,
+    RunTimings,
+    Stopped,
+    StopReason,
+    Trainer,
+    TrainingHooks,
+    TrainingOutcome,
+)
+from lorafleet.worker.training.lora import LORA_WEIGHT_NAME
+
+__all__ = [
+    "LORA_WEIGHT_NAME",
+    "CorruptCheckpoint",
+    "FailureClass",
+    "Finished",
+    "RunTimings",
+    "StopReason",
+    "Stopped",
+    "Trainer",
+    "TrainingConfig",
+    "TrainingFailure",
+    "TrainingHooks",
+    "TrainingImage",
+    "TrainingOutcome",
+    "TrainingSnapshot",
+    "checkpoint_sha256",
+    "classify_exception",
+    "images_from_files",
+    "load_checkpoint",
+    "min_image_side",
+    "serialize_checkpoint",
+]

@@ -1,0 +1,108 @@
+"""Why a training run failed, in the three classes the ledger acts on (DESIGN.md).
+
+* ``node``: the machine is at fault (CUDA error, out of memory, driver). The job is retried
+  elsewhere and this machine is banned from it.
+* ``input``: the job cannot succeed anywhere (unreadable images, impossible parameters). It fails
+  at once with the message, which names what to fix.
+* ``internal``: anything else. Counts toward ``max_failures``, bans nobody. Nothing is guessed
+  into the other two classes: an unrecognised exception is internal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+from lorafleet.errors import InvalidArgument, LorafleetError
+
+FailureClass = Literal["node", "input", "internal"]
+
+# Substrings of messages raised by CUDA, its libraries and the driver (via torch's RuntimeError,
+# torch.AcceleratorError or NCCL). Matched case-sensitively as the libraries spell them.
+_NODE_MESSAGES = (
+    "CUDA out of memory",
+    "CUDA error",
+    "CUDA driver",
+    "CUDA-capable device",
+    "cuDNN error",
+    "CUDNN_STATUS_",
+    "CUBLAS_STATUS_",
+    "cuBLAS error",
+    "CUFFT_",
+    "CUSOLVER_STATUS_",
+    "NCCL",
+    "device-side assert",
+    "illegal memory access",
+    "unspecified launch failure",
+    "uncorrectable ECC error",
+    "DefaultCPUAllocator: can't allocate memory",
+)
+
+
+class TrainingFailure(LorafleetError):
+    """A run that must end, with the failure class the ledger needs. The message is user-facing."""
+
+    def __init__(self, failure_class: FailureClass, message: str) -> None:
+        super().__init__(message)
+        self.failure_class: FailureClass = failure_class
+        # Only an input fault is certain to fail again wherever it runs.
+        self.retryable = failure_class != "input"
+
+
+class CorruptCheckpoint(TrainingFailure):
+    """Checkpoint bytes that do not verify or do not belong to this job's spec and data.
+
+    The caller skips it and resumes from an older checkpoint (or from scratch) and reports a
+    notice; it only becomes the job's failure if the caller lets it propagate.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__("internal", message)
+
+
+def input_fault(message: str) -> TrainingFailure:
+    return TrainingFailure("input", message)
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, then its causes and contexts, each once (chains can loop)."""
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        current = pending.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+
+
+def classify_exception(exc: BaseException) -> FailureClass:
+    """The failure class of any exception escaping a training run.
+
+    An explicit `TrainingFailure` anywhere in the chain keeps its class; `InvalidArgument` (a bad
+    spec) is an input fault; CUDA out-of-memory, CUDA/cuDNN/cuBLAS/NCCL/driver errors and host
+    memory exhaustion are node faults; everything else is internal.
+    """
+    for current in _chain(exc):
+        if isinstance(current, TrainingFailure):
+            return current.failure_class
+        if isinstance(current, InvalidArgument):
+            return "input"
+        if isinstance(current, (torch.OutOfMemoryError, torch.AcceleratorError, MemoryError)):
+            return "node"
+        message = str(current)
+        if any(pattern in message for pattern in _NODE_MESSAGES):
+            return "node"
+    return "internal"
+
+
+def as_training_failure(exc: BaseException) -> TrainingFailure:
+    """Wraps any exception into a `TrainingFailure` of its class, keeping it as the cause."""
+    if isinstance(exc, TrainingFailure):
+        return exc
+    failure = TrainingFailure(classify_exception(exc), f"{type(exc).__name__}: {exc}")
+    failure.__cause__ = exc
+    return failure

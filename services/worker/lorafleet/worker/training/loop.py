@@ -1,0 +1,733 @@
+"""The training run: `Trainer.run`, its hooks and its two outcomes.
+
+A run is a sequence of small steps over one `TrainingConfig`: resolve the runtime, decode the
+inputs, load the model, generate missing class images, add LoRA, precompute what does not
+change (text embeddings when the encoders are frozen, VAE latents when no augmentation is
+random), build the optimizer and LR schedule, restore a checkpoint if given, then train.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from diffusers.optimization import get_scheduler
+
+from lorafleet.spec import JobSpec
+from lorafleet.worker.training.checkpoint import (
+    TrainingSnapshot,
+    capture_global_rng,
+    restore_global_rng,
+    to_host,
+)
+from lorafleet.worker.training.config import Runtime, TrainingConfig, resolve_runtime
+from lorafleet.worker.training.data import (
+    DataOrder,
+    PreparedImage,
+    Sample,
+    TrainingData,
+    TrainingImage,
+    prepare_images,
+)
+from lorafleet.worker.training.failures import (
+    CorruptCheckpoint,
+    TrainingFailure,
+    as_training_failure,
+    input_fault,
+)
+from lorafleet.worker.training.lora import add_lora, lora_parameters, lora_weights_bytes
+from lorafleet.worker.training.model import (
+    encode_prompts,
+    load_components,
+    tokenize,
+)
+from lorafleet.worker.training.sampling import generate_class_images, validation_images
+
+StopReason = Literal["cancel", "drain"]
+ProgressHook = Callable[[int, float, float, float], None]
+
+# Spec fields that do not change the trained weights: a checkpoint stays valid across them.
+_NOT_TRAINING_FIELDS = frozenset(
+    {
+        "instance_data_prefix",
+        "class_data_prefix",
+        "checkpointing_steps",
+        "validation_prompt",
+        "validation_steps",
+        "min_vram_mb",
+        "priority",
+        "max_failures",
+        "labels",
+        "webhook_url",
+        "webhook_events",
+    }
+)
+# Latents are encoded up front in chunks of this many images.
+_ENCODE_CHUNK = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingHooks:
+    """Callbacks from the training thread. Each must return quickly (hand work to another
+    thread); an exception raised by one ends the run.
+
+    * `on_progress(step, loss, learning_rate, seconds_per_step)`: after every
+      `progress_interval_steps` optimizer steps and after the last. Latest value wins.
+    * `should_stop()`: polled before every optimizer step and between accumulation micro-steps
+      (and between class-image batches). Return "cancel" to stop at once (no snapshot) or
+      "drain" to stop at the next step boundary with a snapshot; None to go on.
+    * `on_checkpoint(snapshot)`: at every multiple of `checkpointing_steps` below
+      `max_train_steps` (the result supersedes a final checkpoint). Serialise and upload it
+      elsewhere; the snapshot is already independent of the run.
+    * `on_class_images([(index, png), ...])`: prior-preservation images generated because fewer
+      than `num_class_images` were supplied, per batch as they are made. Store them before any
+      checkpoint is committed and pass them back as `class_images` when resuming: a checkpoint
+      is only valid with the class images it was trained with.
+    * `on_validation_images(step, [png, ...])`: `num_validation_images` images of
+      `validation_prompt` at every multiple of `validation_steps` (only generated when this
+      hook is set).
+    """
+
+    on_progress: ProgressHook | None = None
+    should_stop: Callable[[], StopReason | None] | None = None
+    on_checkpoint: Callable[[TrainingSnapshot], None] | None = None
+    on_class_images: Callable[[list[tuple[int, bytes]]], None] | None = None
+    on_validation_images: Callable[[int, list[bytes]], None] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finished:
+    """All `max_train_steps` done. `lora_weights` is `pytorch_lora_weights.safetensors`."""
+
+    step: int
+    loss: float
+    lora_weights: bytes = field(repr=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stopped:
+    """`should_stop` asked to stop after `step` optimizer steps.
+
+    `snapshot` is the state at `step` for a drain when this run made progress (at least one
+    optimizer step since it started or resumed), else None.
+    """
+
+    step: int
+    reason: StopReason
+    snapshot: TrainingSnapshot | None
+
+
+TrainingOutcome = Finished | Stopped
+
+
+@dataclass
+class RunTimings:
+    """Wall-clock seconds per optimizer step and per checkpoint snapshot, for metrics."""
+
+    step_seconds: list[float] = field(default_factory=list)
+    snapshot_seconds: list[float] = field(default_factory=list)
+
+
+class _Cancelled(Exception):
+    """Unwinds a run from inside a step when `should_stop` says "cancel"."""
+
+
+class Trainer:
+    """Trains one job in the calling thread. Single-use: one `run` per instance.
+
+    accelerate keeps process-wide state, so a process runs one `Trainer` at a time.
+    """
+
+    def __init__(self, config: TrainingConfig) -> None:
+        self.config = config
+        self.timings = RunTimings()
+
+    def run(
+        self,
+        *,
+        instance_images: Sequence[TrainingImage],
+        class_images: Sequence[TrainingImage] = (),
+        resume: TrainingSnapshot | None = None,
+        hooks: TrainingHooks | None = None,
+    ) -> TrainingOutcome:
+        """Blocks until the job finishes or is stopped. Every error leaves as a
+        `TrainingFailure` (with the original as its cause) whose class the ledger acts on."""
+        run = _Run(self.config, hooks or TrainingHooks(), self.timings)
+        try:
+            return run.execute(instance_images, class_images, resume)
+        except TrainingFailure:
+            raise
+        except Exception as exc:
+            raise as_training_failure(exc) from exc
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def job_fingerprint(
+    spec: JobSpec, instance: Sequence[PreparedImage], class_images: Sequence[PreparedImage]
+) -> str:
+    """Identifies what a checkpoint was trained on: weight-relevant spec fields and data."""
+    fields = {k: v for k, v in spec.to_dict().items() if k not in _NOT_TRAINING_FIELDS}
+    data = {
+        "spec": fields,
+        "instance": [[i.name, i.sha256, i.caption] for i in instance],
+        "class": [i.sha256 for i in class_images],
+    }
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _fresh_accelerator(runtime: Runtime, gradient_accumulation_steps: int) -> Any:
+    # accelerate's state is a process-wide singleton that refuses a different mixed precision
+    # once set; a long-lived worker runs jobs with different settings one after another.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return Accelerator(
+        mixed_precision=runtime.mixed_precision,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        cpu=not runtime.is_cuda,
+    )
+
+
+def _enable_activation_checkpointing(encoder: Any) -> None:
+    # Non-reentrant checkpointing works with frozen inputs (only LoRA weights need grads).
+    kwargs = {"use_reentrant": False}
+    if hasattr(encoder, "activation_checkpointing_enable"):  # transformers >= 5.x
+        encoder.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+class _Run:
+    """The mutable state of one run. Methods are the named steps of training."""
+
+    def __init__(self, config: TrainingConfig, hooks: TrainingHooks, timings: RunTimings) -> None:
+        self.config = config
+        self.spec = config.spec
+        self.hooks = hooks
+        self.timings = timings
+        self.pending_stop: StopReason | None = None
+        self.step = 0
+        self.start_step = 0
+        self.last_loss = float("nan")
+
+    # Orchestration -----------------------------------------------------------------------
+
+    def execute(
+        self,
+        instance_images: Sequence[TrainingImage],
+        class_images: Sequence[TrainingImage],
+        resume: TrainingSnapshot | None,
+    ) -> TrainingOutcome:
+        spec = self.spec
+        self.step = self.start_step = resume.step if resume is not None else 0
+        self.runtime = resolve_runtime(self.config)
+        instance = prepare_images(instance_images, resolution=spec.resolution, kind="instance")
+        if not instance:
+            raise input_fault("no instance images: upload at least one under instance_data_prefix")
+        supplied_class = (
+            prepare_images(class_images, resolution=spec.resolution, kind="class")
+            if spec.with_prior_preservation
+            else []
+        )
+        seed_everything(spec.seed)
+        self.components = load_components(self.config, self.runtime)
+        prepared_class = self.class_images(supplied_class)
+        if prepared_class is None:
+            return self.stopped()
+        if resume is not None and resume.state.get("fingerprint") != job_fingerprint(
+            spec, instance, prepared_class
+        ):
+            raise CorruptCheckpoint(
+                f"checkpoint at step {resume.step} was trained with other settings or data"
+            )
+        self.fingerprint = job_fingerprint(spec, instance, prepared_class)
+        self.data = TrainingData.build(
+            instance=instance,
+            class_images=prepared_class,
+            instance_prompt=spec.instance_prompt,
+            class_prompt=spec.class_prompt,
+            use_captions=spec.caption_mode == "file_else_prompt",
+            resolution=spec.resolution,
+            center_crop=spec.center_crop,
+            random_flip=spec.random_flip,
+        )
+        self.trained = add_lora(
+            self.components,
+            rank=spec.lora_rank,
+            alpha=spec.lora_alpha,
+            train_text_encoder=spec.train_text_encoder,
+        )
+        self.enable_training_mode()
+        self.precompute_conditioning()
+        self.precompute_latents()
+        self.build_optimization()
+        if resume is not None:
+            self.restore(resume)
+        self.start_step = self.step
+        try:
+            return self.train()
+        except _Cancelled:
+            return self.stopped()
+
+    def stopped(self) -> Stopped:
+        reason = self.pending_stop or "cancel"
+        snapshot = self.snapshot() if reason == "drain" and self.step > self.start_step else None
+        return Stopped(step=self.step, reason=reason, snapshot=snapshot)
+
+    def poll(self) -> None:
+        """Asks the caller whether to stop; a cancel unwinds at once, a drain is remembered."""
+        if self.hooks.should_stop is None or self.pending_stop == "cancel":
+            return
+        reason = self.hooks.should_stop()
+        if reason is None:
+            return
+        if reason not in ("cancel", "drain"):
+            raise ValueError(f"should_stop returned {reason!r}; expected 'cancel', 'drain' or None")
+        if reason == "cancel":
+            self.pending_stop = "cancel"
+            raise _Cancelled
+        self.pending_stop = self.pending_stop or reason
+
+    def _cancel_requested(self) -> bool:
+        try:
+            self.poll()
+        except _Cancelled:
+            return True
+        return self.pending_stop is not None
+
+    # Setup ----------------------------------------------------------------------------------
+
+    def class_images(self, supplied: list[PreparedImage]) -> list[PreparedImage] | None:
+        """The class images to train with: the supplied ones, topped up to `num_class_images`
+        by sampling the base model. Ordered by content digest, so the order does not depend
+        on names (supplied ones and generated ones coming back under storage names)."""
+        spec = self.spec
+        if not spec.with_prior_preservation:
+            return []
+        usable = supplied[: spec.num_class_images]
+        missing = list(range(len(usable), spec.num_class_images))
+        generated: list[tuple[int, bytes]] = []
+        if missing:
+            for batch in generate_class_images(
+                self.components,
+                prompt=spec.class_prompt,
+                indices=missing,
+                seed=spec.seed,
+                resolution=spec.resolution,
+                steps=self.config.sample_steps,
+                guidance_scale=self.config.guidance_scale,
+                batch_size=self.config.sample_batch_size,
+                device=self.runtime.device,
+                cancelled=self._cancel_requested,
+            ):
+                generated.extend(batch)
+                if self.hooks.on_class_images is not None:
+                    self.hooks.on_class_images(batch)
+            if len(generated) < len(missing):
+                return None
+        # Decoded from the PNG bytes handed out, exactly as a resumed run will see them.
+        made = prepare_images(
+            [TrainingImage(f"{index}.png", png) for index, png in generated],
+            resolution=spec.resolution,
+            kind="class",
+        )
+        return sorted([*usable, *made], key=lambda image: image.sha256)
+
+    def enable_training_mode(self) -> None:
+        components = self.components
+        for module in self.trained.values():
+            module.train()
+        if self.spec.gradient_checkpointing:
+            components.unet.enable_gradient_checkpointing()
+            for name in ("text_encoder", "text_encoder_2"):
+                if name in self.trained:
+                    _enable_activation_checkpointing(self.trained[name])
+
+    def precompute_conditioning(self) -> None:
+        """Frozen encoders: embed every distinct prompt once. Trained encoders: tokenize once."""
+        ids = tokenize(self.components, self.data.prompts)
+        device = self.runtime.device
+        self.token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.spec.train_text_encoder:
+            self.token_ids = (ids[0].to(device), ids[1].to(device))
+            return
+        with torch.no_grad():
+            self.prompt_embeds = encode_prompts(self.components, ids)
+
+    def precompute_latents(self) -> None:
+        """Encode every image once when each has a single possible crop and no flip."""
+        self.latent_moments: torch.Tensor | None = None
+        if not self.data.deterministic:
+            return
+        chunks = []
+        images = range(len(self.data.images))
+        for start in range(0, len(images), _ENCODE_CHUNK):
+            samples = [self.data.fixed_sample(i) for i in images[start : start + _ENCODE_CHUNK]]
+            chunks.append(self.encode_moments(samples))
+        self.latent_moments = torch.cat(chunks)
+
+    def build_optimization(self) -> None:
+        spec = self.spec
+        runtime = self.runtime
+        self.accelerator = _fresh_accelerator(runtime, spec.gradient_accumulation_steps)
+        self.params: list[torch.nn.Parameter] = []
+        groups: list[dict[str, Any]] = []
+        for name, module in self.trained.items():
+            params = [p for _, p in lora_parameters(module)]
+            self.params.extend(params)
+            lr = spec.learning_rate if name == "unet" else spec.text_encoder_learning_rate
+            if name == "text_encoder_2":
+                groups[-1]["params"].extend(params)
+            else:
+                groups.append({"params": params, "lr": lr})
+        optimizer_kwargs: dict[str, Any] = {
+            # Also the default group rate, which the polynomial schedule decays from.
+            "lr": spec.learning_rate,
+            "betas": (spec.adam_beta1, spec.adam_beta2),
+            "weight_decay": spec.adam_weight_decay,
+            "eps": spec.adam_epsilon,
+        }
+        if spec.use_8bit_adam:
+            import bitsandbytes
+
+            optimizer = bitsandbytes.optim.AdamW8bit(groups, **optimizer_kwargs)
+        else:
+            # fused AdamW: one kernel per step on CUDA; the foreach default on the CPU.
+            optimizer = torch.optim.AdamW(groups, fused=runtime.is_cuda or None, **optimizer_kwargs)
+        lr_scheduler = get_scheduler(
+            spec.lr_scheduler,
+            optimizer=optimizer,
+            num_warmup_steps=spec.lr_warmup_steps,
+            num_training_steps=spec.max_train_steps,
+            num_cycles=spec.lr_num_cycles,
+            power=spec.lr_power,
+        )
+        self.raw_optimizer = optimizer
+        self.raw_lr_scheduler = lr_scheduler
+        # Everything is already on its device; accelerate only adds AMP, loss scaling and
+        # accumulation bookkeeping.
+        self.optimizer, self.lr_scheduler = self.accelerator.prepare(
+            optimizer, lr_scheduler, device_placement=[False, False]
+        )
+        device = runtime.device
+        self.data_generator = torch.Generator("cpu").manual_seed(spec.seed)
+        self.noise_generator = torch.Generator(device).manual_seed(spec.seed + 1)
+        scheduler_config = self.components.noise_scheduler.config
+        self.num_train_timesteps = int(scheduler_config.num_train_timesteps)
+        self.prediction_type = str(scheduler_config.prediction_type)
+        alphas = self.components.noise_scheduler.alphas_cumprod.to(device, torch.float32)
+        # Signal-to-noise ratio per timestep, for min-SNR weighting.
+        self.snr: torch.Tensor = alphas / (1.0 - alphas)
+
+    # Training ---------------------------------------------------------------------------------
+
+    def train(self) -> TrainingOutcome:
+        spec = self.spec
+        hooks = self.hooks
+        last_report = time.perf_counter()
+        steps_since_report = 0
+        loss = torch.tensor(self.last_loss)
+        while self.step < spec.max_train_steps:
+            self.poll()
+            if self.pending_stop is not None:
+                return self.stopped()
+            started = time.perf_counter()
+            loss = self.optimizer_step()
+            self.timings.step_seconds.append(time.perf_counter() - started)
+            steps_since_report += 1
+            final = self.step == spec.max_train_steps
+            if self.step % self.config.progress_interval_steps == 0 or final:
+                # The one host sync progress needs.
+                self.last_loss = float(loss.item())
+                now = time.perf_counter()
+                if hooks.on_progress is not None:
+                    hooks.on_progress(
+                        self.step,
+                        self.last_loss,
+                        float(self.lr_scheduler.get_last_lr()[0]),
+                        (now - last_report) / steps_since_report,
+                    )
+                last_report = now
+                steps_since_report = 0
+            due = not final and self.step % spec.checkpointing_steps == 0
+            if hooks.on_checkpoint is not None and due:
+                started = time.perf_counter()
+                snapshot = self.snapshot()
+                self.timings.snapshot_seconds.append(time.perf_counter() - started)
+                hooks.on_checkpoint(snapshot)
+            self.validate_if_due()
+        if self.step > self.start_step:
+            self.last_loss = float(loss.item())
+        return Finished(
+            step=self.step, loss=self.last_loss, lora_weights=lora_weights_bytes(self.trained)
+        )
+
+    def optimizer_step(self) -> torch.Tensor:
+        """`gradient_accumulation_steps` micro-batches, then one optimizer step. Returns the
+        mean loss as a device tensor (reading it would sync)."""
+        accumulation = self.spec.gradient_accumulation_steps
+        total: torch.Tensor | None = None
+        for micro in range(accumulation):
+            if micro:
+                self.poll()
+            samples = self.data.next_batch(self.spec.train_batch_size, self.data_generator)
+            loss = self.micro_step(samples)
+            total = loss if total is None else total + loss
+        self.step += 1
+        assert total is not None
+        return total / accumulation
+
+    def micro_step(self, samples: list[Sample]) -> torch.Tensor:
+        accelerator = self.accelerator
+        unet = self.components.unet
+        device = self.runtime.device
+        with accelerator.accumulate(*self.trained.values()):
+            latents = self.latents(samples)
+            noise, timesteps = self.draw_noise(latents)
+            noisy = self.components.noise_scheduler.add_noise(latents, noise, timesteps)
+            time_ids = self.data.time_ids(samples).to(device, non_blocking=True)
+            with accelerator.autocast():
+                prompt_embeds, pooled = self.conditioning(samples)
+                prediction = unet(
+                    noisy,
+                    timesteps,
+                    prompt_embeds,
+                    added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
+                    return_dict=False,
+                )[0]
+            loss = self.loss(prediction, latents, noise, timesteps)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(self.params, self.spec.max_grad_norm)
+                self.optimizer.step()
+                self.lr_scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def encode_moments(self, samples: list[Sample]) -> torch.Tensor:
+        """VAE posterior (mean, std) stacked on the channel axis."""
+        vae = self.components.vae
+        pixels = self.data.pixels(samples).to(self.runtime.device, vae.dtype, non_blocking=True)
+        with torch.no_grad():
+            posterior = vae.encode(pixels).latent_dist
+        return torch.cat([posterior.mean, posterior.std], dim=1)
+
+    def latents(self, samples: list[Sample]) -> torch.Tensor:
+        """Scaled latents sampled from the VAE posterior with the run's noise generator."""
+        if self.latent_moments is not None:
+            index = torch.tensor([s.image for s in samples], device=self.runtime.device)
+            moments = self.latent_moments.index_select(0, index)
+        else:
+            moments = self.encode_moments(samples)
+        mean, std = moments.float().chunk(2, dim=1)
+        # The posterior sample (as DiagonalGaussianDistribution.sample), drawn from our own
+        # generator so the draw is part of the checkpointed random stream.
+        eps = torch.randn(
+            mean.shape, generator=self.noise_generator, device=mean.device, dtype=mean.dtype
+        )
+        latents = mean + std * eps
+        config = self.components.vae.config
+        mean_shift = getattr(config, "latents_mean", None)
+        std_scale = getattr(config, "latents_std", None)
+        if mean_shift is not None and std_scale is not None:
+            shift = torch.tensor(mean_shift, device=latents.device).view(1, -1, 1, 1)
+            scale = torch.tensor(std_scale, device=latents.device).view(1, -1, 1, 1)
+            return (latents - shift) * float(config.scaling_factor) / scale
+        return latents * float(config.scaling_factor)
+
+    def draw_noise(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = self.noise_generator
+        device = latents.device
+        noise = torch.randn(latents.shape, generator=generator, device=device)
+        if self.spec.noise_offset:
+            # Per-channel offsets let the model learn overall brightness shifts.
+            batch, channels = latents.shape[:2]
+            offset = torch.randn((batch, channels, 1, 1), generator=generator, device=device)
+            noise = noise + self.spec.noise_offset * offset
+        timesteps = torch.randint(
+            0, self.num_train_timesteps, (latents.shape[0],), generator=generator, device=device
+        )
+        return noise, timesteps
+
+    def conditioning(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt embeddings, pooled embeddings) per sample."""
+        device = self.runtime.device
+        rows = [self.data.prompt_of[s.image] for s in samples]
+        if self.prompt_embeds is not None:
+            index = torch.tensor(rows, device=device)
+            embeds, pooled = self.prompt_embeds
+            return embeds.index_select(0, index), pooled.index_select(0, index)
+        assert self.token_ids is not None
+        # Encode each distinct prompt of the batch once (computed on the host: no sync).
+        distinct = sorted(set(rows))
+        picked = torch.tensor(distinct, device=device)
+        ids = (self.token_ids[0][picked], self.token_ids[1][picked])
+        embeds, pooled = encode_prompts(self.components, ids)
+        expand = torch.tensor([distinct.index(r) for r in rows], device=device)
+        return embeds.index_select(0, expand), pooled.index_select(0, expand)
+
+    def loss(
+        self,
+        prediction: torch.Tensor,
+        latents: torch.Tensor,
+        noise: torch.Tensor,
+        timesteps: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.prediction_type == "epsilon":
+            target = noise
+        elif self.prediction_type == "v_prediction":
+            target = self.components.noise_scheduler.get_velocity(latents, noise, timesteps)
+        elif self.prediction_type == "sample":
+            target = latents
+        else:
+            raise ValueError(f"unknown prediction type {self.prediction_type!r}")
+        prediction = prediction.float()
+        target = target.float()
+        # With prior preservation the second half of the batch is class images.
+        count = len(prediction) // 2 if self.data.num_class else len(prediction)
+        per_sample = ((prediction[:count] - target[:count]) ** 2).mean(dim=(1, 2, 3))
+        if self.spec.snr_gamma > 0:
+            per_sample = per_sample * self.snr_weights(timesteps[:count])
+        loss = per_sample.mean()
+        if self.data.num_class:
+            prior = F.mse_loss(prediction[count:], target[count:])
+            loss = loss + self.spec.prior_loss_weight * prior
+        return loss
+
+    def snr_weights(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """Min-SNR-gamma weights (Hang et al. 2023, https://arxiv.org/abs/2303.09556).
+
+        The paper's weight for x0 prediction is min(SNR, gamma); predicting noise divides by
+        SNR and predicting velocity by SNR + 1, which keeps the weight finite at SNR ~ 0.
+        """
+        snr = self.snr[timesteps]
+        clipped = snr.clamp(max=self.spec.snr_gamma)
+        if self.prediction_type == "epsilon":
+            return clipped / snr
+        if self.prediction_type == "v_prediction":
+            return clipped / (snr + 1.0)
+        return clipped
+
+    def validate_if_due(self) -> None:
+        spec = self.spec
+        hook = self.hooks.on_validation_images
+        if (
+            hook is None
+            or not spec.validation_prompt
+            or spec.validation_steps <= 0
+            or self.config.num_validation_images <= 0
+            or self.step % spec.validation_steps
+        ):
+            return
+        images = validation_images(
+            self.components,
+            prompt=spec.validation_prompt,
+            count=self.config.num_validation_images,
+            seed=spec.seed,
+            resolution=spec.resolution,
+            steps=self.config.sample_steps,
+            guidance_scale=self.config.guidance_scale,
+            device=self.runtime.device,
+        )
+        hook(self.step, images)
+
+    # Checkpoints --------------------------------------------------------------------------------
+
+    def _live_lora(self) -> dict[str, torch.nn.Parameter]:
+        return {
+            f"lora/{module_name}/{name}": param
+            for module_name, module in self.trained.items()
+            for name, param in lora_parameters(module)
+        }
+
+    def snapshot(self) -> TrainingSnapshot:
+        """Host copies of everything the run needs to continue exactly after `self.step`."""
+        live: dict[str, torch.Tensor] = dict(self._live_lora())
+        optimizer_state = self.raw_optimizer.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for index, values in optimizer_state["state"].items():
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    live[f"optimizer/{index}/{key}"] = value
+                else:
+                    scalars.setdefault(str(index), {})[key] = value
+        live["rng/data"] = self.data_generator.get_state()
+        live["rng/noise"] = self.noise_generator.get_state()
+        rng_tensors, rng_state = capture_global_rng()
+        live.update(rng_tensors)
+        tensors = to_host(live)
+        scaler = self.accelerator.scaler
+        state = {
+            "fingerprint": self.fingerprint,
+            "loss": self.last_loss,
+            "data_order": self.data.order.state(),
+            "optimizer": {
+                "param_groups": optimizer_state["param_groups"],
+                "scalars": scalars,
+            },
+            "lr_scheduler": self.raw_lr_scheduler.state_dict(),
+            "grad_scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": {**rng_state, "noise_device": self.runtime.device.type},
+        }
+        # A JSON round trip both deep-copies (nothing shared with the live run) and proves the
+        # state is plain JSON before it leaves the training thread.
+        return TrainingSnapshot(
+            step=self.step, tensors=tensors, state=json.loads(json.dumps(state))
+        )
+
+    def restore(self, snapshot: TrainingSnapshot) -> None:
+        tensors = snapshot.tensors
+        state = snapshot.state
+        live = self._live_lora()
+        stored = {key for key in tensors if key.startswith("lora/")}
+        if stored != set(live):
+            raise CorruptCheckpoint(
+                f"checkpoint at step {snapshot.step} holds other LoRA parameters than this model"
+            )
+        with torch.no_grad():
+            for key, param in live.items():
+                if tensors[key].shape != param.shape:
+                    raise CorruptCheckpoint(f"checkpoint tensor {key} has the wrong shape")
+                param.copy_(tensors[key])
+        optimizer_state: dict[int, dict[str, Any]] = {}
+        for key, value in tensors.items():
+            if key.startswith("optimizer/"):
+                _, index, name = key.split("/", 2)
+                optimizer_state.setdefault(int(index), {})[name] = value
+        for index, values in state["optimizer"]["scalars"].items():
+            optimizer_state.setdefault(int(index), {}).update(values)
+        self.raw_optimizer.load_state_dict(
+            {"state": optimizer_state, "param_groups": state["optimizer"]["param_groups"]}
+        )
+        self.raw_lr_scheduler.load_state_dict(dict(state["lr_scheduler"]))
+        if self.accelerator.scaler is not None and state["grad_scaler"] is not None:
+            self.accelerator.scaler.load_state_dict(state["grad_scaler"])
+        order = DataOrder.from_state(state["data_order"])
+        if order.size != self.data.order.size:
+            raise CorruptCheckpoint("checkpoint data order is for a different dataset size")
+        self.data.order = order
+        self.data_generator.set_state(tensors["rng/data"])
+        if state["rng"]["noise_device"] == self.runtime.device.type:
+            self.noise_generator.set_state(tensors["rng/noise"])
+        else:
+            # CPU and CUDA generators are different algorithms: a checkpoint moved between the
+            # two continues with a fresh, still deterministic, stream.
+            self.noise_generator.manual_seed(self.spec.seed + 1 + snapshot.step)
+        restore_global_rng(tensors, state["rng"])
+        self.step = snapshot.step
+        self.last_loss = float(state["loss"])

@@ -1,0 +1,104 @@
+"""LoRA adapters (peft) on the UNet and optionally both text encoders, and the result file.
+
+The result is `pytorch_lora_weights.safetensors` exactly as
+`StableDiffusionXLPipeline.save_lora_weights` writes it: diffusers-format keys prefixed
+`unet.`, `text_encoder.`, `text_encoder_2.`, fp32 tensors, and the adapters' LoRA configs in
+the `lora_adapter_metadata` header entry, so `load_lora_weights` restores `lora_alpha` (the
+scale) and not only the rank. It is built in memory: the diffusers helper writes to a directory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from diffusers.training_utils import cast_training_params
+from diffusers.utils import state_dict_utils as _state_dict_utils
+from peft import LoraConfig as _LoraConfig
+from peft.utils import get_peft_model_state_dict
+
+from lorafleet.worker.training.model import Components
+from lorafleet.worker.training.serialization import safetensors_bytes
+
+# Untyped in diffusers; peft types lora_alpha as int though it is a float scale numerator.
+convert_state_dict_to_diffusers: Any = _state_dict_utils.convert_state_dict_to_diffusers
+LoraConfig: Any = _LoraConfig
+
+UNET_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
+TEXT_ENCODER_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj")
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+# diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
+_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
+
+
+def add_lora(
+    components: Components, *, rank: int, alpha: float, train_text_encoder: bool
+) -> dict[str, Any]:
+    """Adds adapters and returns the trained modules by their pipeline name, UNet first.
+
+    LoRA parameters are kept in fp32 whatever the frozen weights' dtype, so small updates are
+    not rounded away; the base weights stay frozen.
+    """
+    trained: dict[str, Any] = {"unet": components.unet}
+    components.unet.add_adapter(_config(rank, alpha, UNET_TARGET_MODULES))
+    if train_text_encoder:
+        for name, encoder in (
+            ("text_encoder", components.text_encoder),
+            ("text_encoder_2", components.text_encoder_2),
+        ):
+            encoder.add_adapter(_config(rank, alpha, TEXT_ENCODER_TARGET_MODULES))
+            trained[name] = encoder
+    cast_training_params(list(trained.values()), dtype=torch.float32)
+    return trained
+
+
+def _config(rank: int, alpha: float, targets: tuple[str, ...]) -> Any:
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        # Gaussian A with zero B: the adapter starts as an exact no-op, as in diffusers' scripts.
+        init_lora_weights="gaussian",
+        target_modules=list(targets),
+    )
+
+
+def lora_parameters(module: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """The trainable (LoRA) parameters of a module, in registration order (stable across runs)."""
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def lora_state_dict(trained: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Diffusers-format LoRA tensors of every trained module, with their pipeline prefix, fp32."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in trained.items():
+        # save_embedding_layers=False: no embedding is trained, and the "auto" check tries to
+        # read the base model's config from disk (and warns) for text encoders.
+        peft_state = get_peft_model_state_dict(module, save_embedding_layers=False)
+        for key, tensor in convert_state_dict_to_diffusers(peft_state).items():
+            out[f"{prefix}.{key}"] = tensor.detach().to("cpu", torch.float32).contiguous()
+    return out
+
+
+def lora_weights_bytes(trained: Mapping[str, Any]) -> bytes:
+    """The finished LoRA as `pytorch_lora_weights.safetensors` bytes."""
+    adapter_metadata: dict[str, Any] = {}
+    for prefix, module in trained.items():
+        for key, value in _jsonable(module.peft_config["default"].to_dict()).items():
+            adapter_metadata[f"{prefix}.{key}"] = value
+    metadata = {
+        "format": "pt",
+        _ADAPTER_METADATA_KEY: json.dumps(adapter_metadata, indent=2, sort_keys=True),
+    }
+    return safetensors_bytes(lora_state_dict(trained), metadata)
