@@ -1,0 +1,45 @@
+"""Fixtures for the trainer tests: one tiny SDXL-architecture model per session."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorafleet.spec import JobSpec
+from lorafleet.worker.tiny_model import build_tiny_model
+from lorafleet.worker.training import Trainer, TrainingImage, TrainingOutcome, TrainingSnapshot
+from tests.worker.support import Recorder, TrainFn, instance_images, make_config
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-sdxl"))
+
+
+@pytest.fixture
+def train(tiny_model_dir: Path) -> TrainFn:
+    """Runs one training job on the tiny model and returns (outcome, recorded hooks)."""
+
+    def run(
+        spec: JobSpec,
+        images: Sequence[TrainingImage] | None = None,
+        *,
+        class_images: Sequence[TrainingImage] = (),
+        resume: TrainingSnapshot | None = None,
+        recorder: Recorder | None = None,
+        **config: Any,
+    ) -> tuple[TrainingOutcome, Recorder]:
+        recorder = recorder or Recorder()
+        trainer = Trainer(make_config(tiny_model_dir, spec, **config))
+        outcome = trainer.run(
+            instance_images=instance_images() if images is None else images,
+            class_images=class_images,
+            resume=resume,
+            hooks=recorder.hooks(),
+        )
+        return outcome, recorder
+
+    return run

@@ -1,0 +1,139 @@
+"""The checkpoint blob: contents, verification, and serialising off the training thread."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from lorafleet.worker.training import (
+    CorruptCheckpoint,
+    Finished,
+    Trainer,
+    TrainingHooks,
+    TrainingSnapshot,
+    checkpoint_sha256,
+    load_checkpoint,
+    serialize_checkpoint,
+)
+from lorafleet.worker.training.checkpoint import MAGIC
+from lorafleet.worker.training.serialization import safetensors_metadata
+from tests.worker.support import Recorder, TrainFn, instance_images, make_config, tiny_spec
+
+
+@pytest.fixture(scope="module")
+def snapshot(tiny_model_dir: Path) -> TrainingSnapshot:
+    """One snapshot shared by the read-only tests of this module."""
+    recorder = Recorder()
+    spec = tiny_spec(max_train_steps=3, checkpointing_steps=2, train_text_encoder=True)
+    Trainer(make_config(tiny_model_dir, spec)).run(
+        instance_images=instance_images(), hooks=recorder.hooks()
+    )
+    [taken] = recorder.snapshots
+    return taken
+
+
+def test_snapshot_holds_the_complete_state(snapshot: TrainingSnapshot) -> None:
+    assert snapshot.step == 2
+    keys = set(snapshot.tensors)
+    for prefix in ("lora/unet/", "lora/text_encoder/", "lora/text_encoder_2/", "optimizer/"):
+        assert any(key.startswith(prefix) for key in keys), prefix
+    assert {"rng/torch", "rng/data", "rng/noise"} <= keys
+    assert any(key.endswith("/exp_avg_sq") for key in keys)
+    assert all(t.device.type == "cpu" for t in snapshot.tensors.values())
+    state = snapshot.state
+    assert set(state["rng"]) >= {"python", "numpy", "noise_device"}
+    assert state["data_order"]["position"] == 2
+    assert state["lr_scheduler"]["last_epoch"] == 2
+    assert len(state["optimizer"]["param_groups"]) == 2
+    assert snapshot.size_bytes > 0
+
+
+def test_round_trip_is_exact(snapshot: TrainingSnapshot) -> None:
+    blob = serialize_checkpoint(snapshot)
+    loaded = load_checkpoint(blob)
+    assert loaded.step == snapshot.step
+    assert loaded.tensors.keys() == snapshot.tensors.keys()
+    assert all(torch.equal(loaded.tensors[k], v) for k, v in snapshot.tensors.items())
+    assert dict(loaded.state, step=None) == dict(json.loads(json.dumps(snapshot.state)), step=None)
+    assert serialize_checkpoint(loaded) == blob
+    assert checkpoint_sha256(blob) == hashlib.sha256(blob).hexdigest()
+
+
+def test_blob_layout_is_magic_digest_safetensors(snapshot: TrainingSnapshot) -> None:
+    blob = serialize_checkpoint(snapshot)
+    assert blob[:8] == MAGIC
+    payload = blob[40:]
+    assert blob[8:40] == hashlib.sha256(payload).digest()
+    # Plain safetensors with JSON metadata: readable without lorafleet, nothing pickled.
+    assert safetensors.torch.load(payload).keys() == snapshot.tensors.keys()
+    state = json.loads(safetensors_metadata(payload)["lorafleet.state"])
+    assert state["step"] == 2
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda b: b[:-10], "digest mismatch"),
+        (lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], "digest mismatch"),
+        (lambda b: b"NOTACKPT" + b[8:], "bad magic"),
+        (lambda b: b[:7] + b"\x09" + b[8:], "format version 9"),
+        (lambda b: b"", "bad magic"),
+        (
+            lambda b: MAGIC + hashlib.sha256(b"garbage").digest() + b"garbage",
+            "malformed checkpoint",
+        ),
+    ],
+    ids=["truncated", "bit-flip", "magic", "version", "empty", "garbage-with-valid-digest"],
+)
+def test_corruption_is_detected(snapshot: TrainingSnapshot, mutate: object, reason: str) -> None:
+    assert callable(mutate)
+    blob = mutate(serialize_checkpoint(snapshot))
+    with pytest.raises(CorruptCheckpoint, match=reason):
+        load_checkpoint(blob)
+
+
+@dataclass
+class UploadingRecorder(Recorder):
+    """Serialises each snapshot on its own thread, as the agent's uploader does."""
+
+    blobs: dict[int, bytes] = field(default_factory=dict)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def hooks(self) -> TrainingHooks:
+        return dataclasses.replace(super().hooks(), on_checkpoint=self.upload)
+
+    def upload(self, snapshot: TrainingSnapshot) -> None:
+        self.snapshots.append(snapshot)
+
+        def work() -> None:
+            self.blobs[snapshot.step] = serialize_checkpoint(snapshot)
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        self.threads.append(thread)
+
+
+def test_serialising_on_another_thread_while_training_continues(train: TrainFn) -> None:
+    recorder = UploadingRecorder()
+    outcome, _ = train(tiny_spec(max_train_steps=5, checkpointing_steps=2), recorder=recorder)
+    for thread in recorder.threads:
+        thread.join()
+    assert isinstance(outcome, Finished)
+    assert sorted(recorder.blobs) == [2, 4]
+    for snapshot in recorder.snapshots:
+        # What the thread wrote equals the snapshot as it is now: training never touched it.
+        assert recorder.blobs[snapshot.step] == serialize_checkpoint(snapshot)
+        assert load_checkpoint(recorder.blobs[snapshot.step]).step == snapshot.step
+    first, second = (s.tensors for s in recorder.snapshots)
+    up = [k for k in first if k.startswith("lora/unet/") and ".lora_B." in k]
+    assert up
+    # The step-2 snapshot kept its values while the live weights moved on.
+    assert not all(torch.equal(first[k], second[k]) for k in up)
