@@ -9,3 +9,12 @@ from pkgutil import extend_path
 __path__ = extend_path(__path__, __name__)
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # `lorafleet.Client` without importing grpc for every `import lorafleet.<service>`.
+    if name in ("Client", "AsyncClient"):
+        from lorafleet import client
+
+        return getattr(client, name)
+    raise AttributeError(name)

@@ -9,7 +9,16 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from lorafleet.errors import InvalidArgument
 from lorafleet.jobs.v1 import jobs_pb2 as pb
-from lorafleet.model import Checkpoint, EventKind, FailureClass, Job, JobEvent, JobState
+from lorafleet.model import (
+    Checkpoint,
+    EventKind,
+    FailureClass,
+    Job,
+    JobEvent,
+    JobResult,
+    JobState,
+    Progress,
+)
 from lorafleet.spec import (
     DEFAULT_BASE_MODEL,
     CaptionModeName,
@@ -257,3 +266,92 @@ def event_to_proto(event: JobEvent) -> pb.JobEvent:
     if event.checkpoint is not None:
         msg.checkpoint.CopyFrom(checkpoint_to_proto(event.checkpoint))
     return msg
+
+
+def _state_from(value: int) -> JobState | None:
+    return next((s for s, n in JOB_STATES.items() if n == value), None)
+
+
+def _failure_from(value: int) -> FailureClass | None:
+    return next((c for c, n in FAILURE_CLASSES.items() if n == value), None)
+
+
+def checkpoint_from_proto(msg: pb.Checkpoint) -> Checkpoint:
+    return Checkpoint(
+        step=msg.step,
+        epoch=msg.epoch,
+        key=msg.key,
+        size_bytes=msg.size_bytes,
+        sha256=msg.sha256,
+        committed_at=from_timestamp(msg.committed_at),
+    )
+
+
+def job_from_proto(msg: pb.Job) -> Job:
+    """The client side of `job_to_proto` (the owner is implied by the caller's key)."""
+    state = _state_from(msg.state)
+    if state is None:
+        raise ValueError(f"unknown job state {msg.state}")
+    created = from_timestamp(msg.created_at)
+    updated = from_timestamp(msg.updated_at)
+    assert created is not None and updated is not None
+    p = msg.progress
+    return Job(
+        job_id=msg.job_id,
+        owner="",
+        spec=spec_from_proto(msg.spec),
+        state=state,
+        epoch=msg.epoch,
+        failures=msg.failures,
+        progress=Progress(
+            step=p.step,
+            max_steps=p.max_steps,
+            loss=p.loss if p.updated_at.seconds else None,
+            learning_rate=p.learning_rate if p.updated_at.seconds else None,
+            seconds_per_step=p.seconds_per_step if p.updated_at.seconds else None,
+            machine_id=p.machine_id or None,
+            updated_at=from_timestamp(p.updated_at),
+        ),
+        latest_checkpoint=(
+            checkpoint_from_proto(msg.latest_checkpoint)
+            if msg.HasField("latest_checkpoint")
+            else None
+        ),
+        result=(
+            JobResult(
+                key=msg.result.key, size_bytes=msg.result.size_bytes, sha256=msg.result.sha256
+            )
+            if msg.HasField("result")
+            else None
+        ),
+        error=msg.error or None,
+        failure_class=_failure_from(msg.failure_class),
+        machine_id=msg.machine_id or None,
+        lease_id=None,
+        created_at=created,
+        updated_at=updated,
+        finished_at=from_timestamp(msg.finished_at),
+        gpu_seconds=msg.gpu_seconds,
+    )
+
+
+def event_from_proto(msg: pb.JobEvent) -> JobEvent:
+    kind = next(k for k, n in EVENT_KINDS.items() if n == msg.kind)
+    at = from_timestamp(msg.at)
+    assert at is not None
+    return JobEvent(
+        event_id=msg.event_id,
+        job_id=msg.job_id,
+        kind=kind,
+        at=at,
+        machine_id=msg.machine_id or None,
+        lease_id=msg.lease_id or None,
+        epoch=msg.epoch or None,
+        step=msg.step or None,
+        loss=msg.loss or None,
+        seconds_per_step=msg.seconds_per_step or None,
+        message=msg.message or None,
+        failure_class=_failure_from(msg.failure_class),
+        state=_state_from(msg.state),
+        checkpoint=checkpoint_from_proto(msg.checkpoint) if msg.HasField("checkpoint") else None,
+    )
