@@ -1,0 +1,116 @@
+"""The SDK against a live scheduler: every call, typed results, errors as lorafleet errors."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+import lorafleet
+from lorafleet.errors import FailedPrecondition, InvalidArgument, NotFound
+from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from lorafleet.model import EventKind, JobState
+from tests.scheduler.conftest import Fleet
+from tests.scheduler.harness import connect_worker
+
+
+def _photos(directory: Path) -> Path:
+    directory.mkdir()
+    for i in range(3):
+        (directory / f"{i}.png").write_bytes(b"fake png %d" % i)
+    (directory / "0.txt").write_text("a photo of sks dog on grass")
+    (directory / "notes.md").write_text("ignored")
+    return directory
+
+
+async def test_async_client_end_to_end(fleet: Fleet, tmp_path: Path) -> None:
+    target = f"127.0.0.1:{fleet.scheduler.port}"
+    async with lorafleet.AsyncClient(target, api_key=fleet.alice.api_key) as client:
+        keys = await client.upload_dir(_photos(tmp_path / "rex"), prefix="dogs/rex2")
+        assert sorted(k.rsplit("/", 1)[1] for k in keys) == ["0.png", "0.txt", "1.png", "2.png"]
+        job = await client.submit(
+            instance_prompt="a photo of sks dog",
+            instance_data_prefix="dogs/rex2",
+            max_train_steps=20,
+            lr_scheduler="cosine",
+            mixed_precision="bf16",
+            labels={"batch": "sdk"},
+        )
+        assert job.state is JobState.QUEUED
+        assert job.spec.lr_scheduler == "cosine" and job.spec.mixed_precision == "bf16"
+        with pytest.raises(InvalidArgument) as bad:
+            await client.submit(
+                instance_prompt="x", instance_data_prefix="dogs/rex2", max_train_steps=0
+            )
+        assert bad.value.field == "max_train_steps"
+        with pytest.raises(InvalidArgument) as missing:
+            await client.submit(
+                instance_prompt="x", instance_data_prefix="nothing/here", max_train_steps=5
+            )
+        assert missing.value.field == "spec.instance_data_prefix"
+        with pytest.raises(FailedPrecondition):
+            await client.download_result(job.job_id, tmp_path / "early.safetensors")
+
+        async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+            granted = await worker.ready_for_lease()
+            assert sorted(f.name for f in granted.urls.instance_files) == [
+                "0.png",
+                "0.txt",
+                "1.png",
+                "2.png",
+            ]
+            lora = b"trained lora"
+            async with (
+                aiohttp.ClientSession() as http,
+                http.put(granted.urls.result_upload.url, data=lora),
+            ):
+                pass
+            await worker.send(
+                job_succeeded=fpb.JobSucceeded(
+                    lease=worker.ref(granted.lease),
+                    key=granted.urls.result_upload.key,
+                    size_bytes=len(lora),
+                    sha256=hashlib.sha256(lora).hexdigest(),
+                    step=20,
+                )
+            )
+            updates = [u async for u in client.watch(job.job_id)]
+        assert updates[0].event is None
+        assert updates[-1].job.state is JobState.SUCCEEDED
+        assert updates[-1].event is not None and updates[-1].event.kind is EventKind.SUCCEEDED
+        out = await client.download_result(job.job_id, tmp_path / "rex.safetensors")
+        assert out.read_bytes() == lora
+        listed = [j.job_id async for j in client.list(labels={"batch": "sdk"}, page_size=1)]
+        assert listed == [job.job_id]
+        kinds = [e.kind for e in await client.events(job.job_id)]
+        assert kinds[0] is EventKind.SUBMITTED and kinds[-1] is EventKind.SUCCEEDED
+        done = await client.get(job.job_id)
+        assert done.result is not None and done.gpu_seconds is not None and done.gpu_seconds > 0
+
+
+async def test_blocking_client(fleet: Fleet) -> None:
+    target = f"127.0.0.1:{fleet.scheduler.port}"
+
+    def use() -> None:
+        with lorafleet.Client(target, api_key=fleet.alice.api_key) as client:
+            job = client.submit(
+                {
+                    "instance_prompt": "a photo of sks dog",
+                    "instance_data_prefix": "dogs/rex",
+                    "max_train_steps": 5,
+                }
+            )
+            assert client.get(job.job_id).state is JobState.QUEUED
+            assert [j.job_id for j in client.list(states=[JobState.QUEUED])] == [job.job_id]
+            assert client.cancel(job.job_id).state is JobState.CANCELED
+            updates = list(client.watch(job.job_id))
+            assert updates[-1].job.state is JobState.CANCELED
+            with pytest.raises(NotFound):
+                client.get("00000000-0000-0000-0000-000000000000")
+        with lorafleet.Client(target, api_key=fleet.bob.api_key) as other, pytest.raises(NotFound):
+            other.get(job.job_id)
+
+    await asyncio.to_thread(use)
