@@ -8,6 +8,7 @@ import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -24,6 +25,7 @@ from lorafleet.worker.training import (
     serialize_checkpoint,
 )
 from lorafleet.worker.training.checkpoint import MAGIC
+from lorafleet.worker.training.loop import _tensors_in, _tensors_out
 from lorafleet.worker.training.serialization import safetensors_metadata
 from tests.worker.support import Recorder, TrainFn, instance_images, make_config, tiny_spec
 
@@ -137,3 +139,30 @@ def test_serialising_on_another_thread_while_training_continues(train: TrainFn) 
     assert up
     # The step-2 snapshot kept its values while the live weights moved on.
     assert not all(torch.equal(first[k], second[k]) for k in up)
+
+
+def test_nested_optimizer_state_round_trips() -> None:
+    """bitsandbytes nests its quantization tensors in a sub-dict; torch keeps them flat."""
+    qmap = torch.linspace(-1, 1, 5)
+    state: dict[str, Any] = {
+        "step": 3,
+        "state1": torch.arange(4, dtype=torch.uint8),
+        "wrapped": {"qmap1": qmap, "absmax1": torch.ones(2)},
+        "history": [torch.zeros(1), 0.5],
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    json_part = _tensors_out(state, "optimizer/0", tensors)
+    assert set(tensors) == {
+        "optimizer/0/state1",
+        "optimizer/0/wrapped/qmap1",
+        "optimizer/0/wrapped/absmax1",
+        "optimizer/0/history/0",
+    }
+    snapshot = TrainingSnapshot(step=1, tensors=tensors, state={"optimizer": json_part})
+    loaded = load_checkpoint(serialize_checkpoint(snapshot))
+    back = _tensors_in(loaded.state["optimizer"], loaded.tensors)
+    assert back["step"] == 3
+    assert torch.equal(back["state1"], state["state1"])
+    assert torch.equal(back["wrapped"]["qmap1"], qmap)
+    assert torch.equal(back["history"][0], torch.zeros(1))
+    assert back["history"][1] == 0.5

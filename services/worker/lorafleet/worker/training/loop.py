@@ -12,7 +12,7 @@ import hashlib
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -200,6 +200,34 @@ def _fresh_accelerator(runtime: Runtime, gradient_accumulation_steps: int) -> An
         gradient_accumulation_steps=gradient_accumulation_steps,
         cpu=not runtime.is_cuda,
     )
+
+
+_TENSOR_REF = "__tensor__"
+
+
+def _tensors_out(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON-ready copy of a (nested) state value: each tensor moves to `tensors` under a path
+    key and is replaced by a reference. Optimizers nest state differently (torch: flat per
+    parameter; bitsandbytes: quantization state in a sub-dict), so the structure is kept."""
+    if isinstance(value, torch.Tensor):
+        tensors[key] = value
+        return {_TENSOR_REF: key}
+    if isinstance(value, dict):
+        return {str(k): _tensors_out(v, f"{key}/{k}", tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_tensors_out(v, f"{key}/{i}", tensors) for i, v in enumerate(value)]
+    return value
+
+
+def _tensors_in(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of `_tensors_out`."""
+    if isinstance(value, dict):
+        if set(value) == {_TENSOR_REF}:
+            return tensors[value[_TENSOR_REF]]
+        return {k: _tensors_in(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_tensors_in(v, tensors) for v in value]
+    return value
 
 
 def _enable_activation_checkpointing(encoder: Any) -> None:
@@ -659,13 +687,10 @@ class _Run:
         """Host copies of everything the run needs to continue exactly after `self.step`."""
         live: dict[str, torch.Tensor] = dict(self._live_lora())
         optimizer_state = self.raw_optimizer.state_dict()
-        scalars: dict[str, dict[str, Any]] = {}
-        for index, values in optimizer_state["state"].items():
-            for key, value in values.items():
-                if isinstance(value, torch.Tensor):
-                    live[f"optimizer/{index}/{key}"] = value
-                else:
-                    scalars.setdefault(str(index), {})[key] = value
+        per_param = {
+            str(index): _tensors_out(values, f"optimizer/{index}", live)
+            for index, values in optimizer_state["state"].items()
+        }
         live["rng/data"] = self.data_generator.get_state()
         live["rng/noise"] = self.noise_generator.get_state()
         rng_tensors, rng_state = capture_global_rng()
@@ -678,7 +703,7 @@ class _Run:
             "data_order": self.data.order.state(),
             "optimizer": {
                 "param_groups": optimizer_state["param_groups"],
-                "scalars": scalars,
+                "state": per_param,
             },
             "lr_scheduler": self.raw_lr_scheduler.state_dict(),
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
@@ -691,6 +716,16 @@ class _Run:
         )
 
     def restore(self, snapshot: TrainingSnapshot) -> None:
+        try:
+            self._restore(snapshot)
+        except (KeyError, ValueError, TypeError, IndexError) as exc:
+            # The blob verified, so this is a checkpoint of another lorafleet version or model.
+            raise CorruptCheckpoint(
+                f"checkpoint at step {snapshot.step} cannot be restored:"
+                f" {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _restore(self, snapshot: TrainingSnapshot) -> None:
         tensors = snapshot.tensors
         state = snapshot.state
         live = self._live_lora()
@@ -704,13 +739,10 @@ class _Run:
                 if tensors[key].shape != param.shape:
                     raise CorruptCheckpoint(f"checkpoint tensor {key} has the wrong shape")
                 param.copy_(tensors[key])
-        optimizer_state: dict[int, dict[str, Any]] = {}
-        for key, value in tensors.items():
-            if key.startswith("optimizer/"):
-                _, index, name = key.split("/", 2)
-                optimizer_state.setdefault(int(index), {})[name] = value
-        for index, values in state["optimizer"]["scalars"].items():
-            optimizer_state.setdefault(int(index), {}).update(values)
+        optimizer_state = {
+            int(index): _tensors_in(values, tensors)
+            for index, values in state["optimizer"]["state"].items()
+        }
         self.raw_optimizer.load_state_dict(
             {"state": optimizer_state, "param_groups": state["optimizer"]["param_groups"]}
         )

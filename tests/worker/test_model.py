@@ -1,0 +1,94 @@
+"""Loading through from_pretrained, LoRA placement, SDPA, and work done once instead of per step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import pytest
+import torch
+import transformers
+
+from lorafleet.worker.training.config import resolve_runtime
+from lorafleet.worker.training.lora import add_lora, lora_parameters
+from lorafleet.worker.training.model import encode_prompts, load_components, tokenize
+from tests.worker.support import TrainFn, instance_images, make_config, tiny_spec
+
+
+def test_components_load_frozen_with_sdpa(tiny_model_dir: Path) -> None:
+    config = make_config(tiny_model_dir, tiny_spec(train_text_encoder=True))
+    components = load_components(config, resolve_runtime(config))
+    assert type(components.noise_scheduler).__name__ == "DDPMScheduler"
+    # The base model's own inference scheduler is kept for sampling.
+    assert components.sampler_config["_class_name"] == "EulerDiscreteScheduler"
+    modules = [components.unet, components.vae, *components.text_encoders]
+    assert not any(p.requires_grad for m in modules for p in m.parameters())
+    assert {type(p).__name__ for p in components.unet.attn_processors.values()} == {
+        "AttnProcessor2_0"
+    }
+    for encoder in components.text_encoders:
+        assert encoder.config._attn_implementation == "sdpa"
+
+    ids = tokenize(components, ["a photo of sks dog", "a dog"])
+    embeds, pooled = encode_prompts(components, ids)
+    assert tuple(embeds.shape) == (2, 77, components.unet.config.cross_attention_dim)
+    assert tuple(pooled.shape) == (2, components.text_encoder_2.config.projection_dim)
+
+    trained = add_lora(components, rank=4, alpha=4.0, train_text_encoder=True)
+    assert list(trained) == ["unet", "text_encoder", "text_encoder_2"]
+    unet_names = [name for name, _ in lora_parameters(components.unet)]
+    assert unet_names
+    assert all(".lora_A." in n or ".lora_B." in n for n in unet_names)
+    targets = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in unet_names}
+    assert targets == {"to_q", "to_k", "to_v", "0"}  # to_out.0
+    te_targets = {
+        n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in lora_parameters(components.text_encoder)
+    }
+    assert te_targets == {"q_proj", "k_proj", "v_proj", "out_proj"}
+    assert all(p.dtype == torch.float32 for m in trained.values() for _, p in lora_parameters(m))
+
+
+class _Calls:
+    def __init__(self) -> None:
+        self.vae_encode = 0
+        self.text_forward = 0
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> _Calls:
+    counts = _Calls()
+    encode = diffusers.AutoencoderKL.encode
+    forward = transformers.CLIPTextModelWithProjection.forward
+
+    def counting_encode(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counts.vae_encode += 1
+        return encode(self, *args, **kwargs)
+
+    def counting_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counts.text_forward += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(diffusers.AutoencoderKL, "encode", counting_encode)
+    monkeypatch.setattr(transformers.CLIPTextModelWithProjection, "forward", counting_forward)
+    return counts
+
+
+def test_latents_and_embeddings_computed_once_when_nothing_varies(
+    train: TrainFn, calls: _Calls
+) -> None:
+    train(tiny_spec(max_train_steps=5), instance_images(3))
+    assert calls.vae_encode == 1  # one chunk of 3 images, up front
+    assert calls.text_forward == 1  # one distinct prompt, up front
+
+
+def test_random_flip_encodes_per_step(train: TrainFn, calls: _Calls) -> None:
+    train(tiny_spec(max_train_steps=5, random_flip=True), instance_images(3))
+    assert calls.vae_encode == 5
+    assert calls.text_forward == 1  # embeddings are still cached
+
+
+def test_text_encoder_training_encodes_per_step(train: TrainFn, calls: _Calls) -> None:
+    train(tiny_spec(max_train_steps=5, train_text_encoder=True), instance_images(3))
+    assert calls.text_forward == 5
+    assert calls.vae_encode == 1
