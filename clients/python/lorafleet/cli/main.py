@@ -17,7 +17,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from lorafleet.cli.jobs import add_job_commands, run_job_command
 from lorafleet.errors import LorafleetError
+
+JOB_COMMANDS = ("submit", "watch", "list", "get", "cancel", "events", "download")
 
 
 def _scheduler_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -118,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _scheduler_parser(sub)
     _keys_parser(sub)
+    add_job_commands(sub)
     sub.add_parser("worker", help="run a worker (see `lorafleet worker --help`)", add_help=False)
     return parser
 
@@ -126,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from lorafleet.telemetry import configure_logging
 
-    configure_logging()
+    if argv[:1] and argv[0] in ("scheduler", "keys", "worker"):
+        # Services log JSON lines; user commands print only their own output.
+        configure_logging()
     if argv[:1] == ["worker"]:
         from lorafleet.worker.main import main as worker_main
 
@@ -137,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         "scheduler": _run_scheduler,
         "keys": _run_keys,
     }
+    for name in JOB_COMMANDS:
+        runners[name] = run_job_command
     try:
         with contextlib.suppress(KeyboardInterrupt):
             return asyncio.run(runners[args.command](args))

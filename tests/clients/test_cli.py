@@ -1,0 +1,172 @@
+"""The `lorafleet` command against a live scheduler: every job command, human and --json."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from lorafleet.cli.main import main
+from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from tests.scheduler.conftest import Fleet
+from tests.scheduler.harness import connect_worker
+
+
+async def lorafleet(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, fleet: Fleet, *argv: str
+) -> tuple[int, str, str]:
+    monkeypatch.setenv("LORAFLEET_TARGET", f"127.0.0.1:{fleet.scheduler.port}")
+    monkeypatch.setenv("LORAFLEET_API_KEY", fleet.alice.api_key)
+    code = await asyncio.to_thread(main, list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+async def test_cli_job_commands(
+    fleet: Fleet,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    photos = tmp_path / "rex"
+    photos.mkdir()
+    for i in range(2):
+        (photos / f"{i}.jpg").write_bytes(b"jpeg %d" % i)
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(
+        yaml.safe_dump({"max_train_steps": 40, "lr_scheduler": "cosine", "labels": {"team": "a"}})
+    )
+
+    code, out, _ = await lorafleet(
+        capsys,
+        monkeypatch,
+        fleet,
+        "submit",
+        "--images",
+        str(photos),
+        "--spec",
+        str(spec_file),
+        "--instance-prompt",
+        "a photo of sks dog",
+        "--learning-rate",
+        "2e-4",
+        "--random-flip",
+        "--label",
+        "batch=b1",
+        "--json",
+    )
+    assert code == 0
+    (job,) = json.loads(out)
+    assert job["state"] == "QUEUED" and job["spec"]["learning_rate"] == 2e-4
+    assert job["spec"]["random_flip"] is True and job["spec"]["lr_scheduler"] == "cosine"
+    assert job["spec"]["labels"] == {"team": "a", "batch": "b1"}
+    job_id = job["job_id"]
+
+    code, out, _ = await lorafleet(capsys, monkeypatch, fleet, "list", "--label", "team=a")
+    assert code == 0 and job_id in out and "QUEUED" in out
+    code, out, _ = await lorafleet(capsys, monkeypatch, fleet, "get", job_id)
+    assert code == 0 and "step 0/40" in out
+
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        granted = await worker.ready_for_lease()
+        await worker.heartbeat(granted.lease, 20, loss=0.3, seconds_per_step=0.5)
+        lora = b"cli lora"
+        async with (
+            aiohttp.ClientSession() as http,
+            http.put(granted.urls.result_upload.url, data=lora),
+        ):
+            pass
+        await worker.send(
+            job_succeeded=fpb.JobSucceeded(
+                lease=worker.ref(granted.lease),
+                key=granted.urls.result_upload.key,
+                size_bytes=len(lora),
+                sha256=hashlib.sha256(lora).hexdigest(),
+                step=40,
+            )
+        )
+        code, out, err = await lorafleet(capsys, monkeypatch, fleet, "watch", job_id)
+    assert code == 0 and "succeeded" in err and "LEASE_GRANTED" in err
+
+    code, out, _ = await lorafleet(capsys, monkeypatch, fleet, "events", job_id, "--json")
+    kinds = [e["kind"] for e in json.loads(out)]
+    assert kinds[0] == "SUBMITTED" and "HEARTBEAT" in kinds and kinds[-1] == "SUCCEEDED"
+    target = tmp_path / "out" / "rex.safetensors"
+    target.parent.mkdir()
+    code, out, _ = await lorafleet(
+        capsys, monkeypatch, fleet, "download", job_id, "-o", str(target)
+    )
+    assert code == 0 and target.read_bytes() == lora
+
+
+async def test_cli_batch_cancel_and_errors(
+    fleet: Fleet,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batch = tmp_path / "batch.json"
+    batch.write_text(
+        json.dumps(
+            [
+                {
+                    "instance_prompt": f"a photo of sks dog {i}",
+                    "instance_data_prefix": "dogs/rex",
+                    "max_train_steps": 10,
+                }
+                for i in range(3)
+            ]
+        )
+    )
+    code, out, _ = await lorafleet(
+        capsys, monkeypatch, fleet, "submit", "--batch", str(batch), "--json"
+    )
+    assert code == 0
+    ids = [j["job_id"] for j in json.loads(out)]
+    assert len(ids) == 3
+    code, out, _ = await lorafleet(capsys, monkeypatch, fleet, "cancel", ids[0])
+    assert code == 0 and "canceled" in out
+    code, _, err = await lorafleet(capsys, monkeypatch, fleet, "watch", ids[0])
+    assert code == 1 and "canceled" in err
+
+    # Errors are one clear line and a non-zero exit; an invalid batch writes nothing.
+    bad = tmp_path / "bad.json"
+    bad.write_text(
+        json.dumps(
+            [
+                {
+                    "instance_prompt": "ok",
+                    "instance_data_prefix": "dogs/rex",
+                    "max_train_steps": 10,
+                },
+                {
+                    "instance_prompt": "bad",
+                    "instance_data_prefix": "dogs/rex",
+                    "max_train_steps": 10,
+                    "resolution": 100,
+                },
+            ]
+        )
+    )
+    code, _, err = await lorafleet(capsys, monkeypatch, fleet, "submit", "--batch", str(bad))
+    assert code == 1 and any(line.startswith("error: resolution") for line in err.splitlines())
+    code, out, _ = await lorafleet(capsys, monkeypatch, fleet, "list", "--json")
+    assert len(json.loads(out)) == 3
+    code, _, err = await lorafleet(capsys, monkeypatch, fleet, "get", "not-a-job")
+    assert code == 1 and "job_id" in err
+    code, _, err = await lorafleet(
+        capsys,
+        monkeypatch,
+        fleet,
+        "submit",
+        "--instance-prompt",
+        "x",
+        "--instance-data-prefix",
+        "dogs/rex",
+    )
+    assert code == 1 and "max_train_steps" in err
