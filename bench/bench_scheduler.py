@@ -164,7 +164,7 @@ async def bench_one(
         await migrate(conn)
         await conn.close()
         ledger = await Ledger.connect(url, min_size=1, max_size=2)
-        key = await create_api_key(ledger, "bench")
+        key = (await create_api_key(ledger, "bench")).key
         with tempfile.TemporaryDirectory() as tmp:
             data_dir = Path(tmp)
             store = LocalObjectStore(

@@ -62,6 +62,6 @@ async def fleet(
             yield Fleet(
                 scheduler=scheduler,
                 channel=channel,
-                alice=UserClient(stub, await create_api_key(scheduler.ledger, "alice")),
-                bob=UserClient(stub, await create_api_key(scheduler.ledger, "bob")),
+                alice=UserClient(stub, (await create_api_key(scheduler.ledger, "alice")).key),
+                bob=UserClient(stub, (await create_api_key(scheduler.ledger, "bob")).key),
             )

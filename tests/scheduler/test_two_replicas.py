@@ -153,7 +153,7 @@ async def test_two_replicas_fifty_workers_never_grant_twice(
         )
     )
     await store.put_bytes(upload_key("alice", "dogs/rex", "1.png"), b"png")
-    key = await create_api_key(ledger, "alice")
+    key = (await create_api_key(ledger, "alice")).key
     rng = random.Random(1234)
     async with replica(database_url, data_dir) as port_a, replica(database_url, data_dir) as port_b:
         ports = [port_a, port_b]

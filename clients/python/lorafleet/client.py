@@ -293,6 +293,13 @@ class AsyncClient:
             )
         return [u.key for u in response.urls]
 
+    async def webhook_deliveries(self, job_id: str) -> builtins.list[pb.WebhookDelivery]:
+        """The job's webhook delivery log (attempts, last status and error, delivered/gave up)."""
+        response: pb.ListWebhookDeliveriesResponse = await self._unary(
+            self._stub.ListWebhookDeliveries, pb.ListWebhookDeliveriesRequest(job_id=job_id)
+        )
+        return list(response.deliveries)
+
     async def artifacts(self, job_id: str) -> Artifacts:
         response: pb.GetJobArtifactsResponse = await self._unary(
             self._stub.GetJobArtifacts, pb.GetJobArtifactsRequest(job_id=job_id)
@@ -429,6 +436,9 @@ class Client:
 
     def artifacts(self, job_id: str) -> Artifacts:
         return self._run(self._async.artifacts(job_id))
+
+    def webhook_deliveries(self, job_id: str) -> builtins.list[pb.WebhookDelivery]:
+        return self._run(self._async.webhook_deliveries(job_id))
 
     def download_result(self, job_id: str, destination: str | Path) -> Path:
         return self._run(self._async.download_result(job_id, destination))

@@ -342,6 +342,40 @@ async def download(client: AsyncClient, args: argparse.Namespace) -> int:
     return 0
 
 
+async def webhooks(client: AsyncClient, args: argparse.Namespace) -> int:
+    deliveries = await client.webhook_deliveries(args.job_id)
+    rows: list[dict[str, Any]] = []
+    for d in deliveries:
+        if d.HasField("delivered_at"):
+            outcome = f"delivered {d.delivered_at.ToDatetime():%H:%M:%S}"
+        elif d.HasField("gave_up_at"):
+            outcome = f"gave up {d.gave_up_at.ToDatetime():%H:%M:%S}"
+        else:
+            outcome = f"retrying at {d.next_attempt_at.ToDatetime():%H:%M:%S}"
+        rows.append(
+            {
+                "delivery_id": d.delivery_id,
+                "event": d.event,
+                "url": d.url,
+                "attempts": d.attempts,
+                "last_status": d.last_status or None,
+                "last_error": d.last_error or None,
+                "outcome": outcome,
+            }
+        )
+    if args.json:
+        print_json(rows)
+        return 0
+    for r in rows:
+        failed = r["last_error"] and not str(r["outcome"]).startswith("delivered")
+        error = f"  ({r['last_error']})" if failed else ""
+        print(
+            f"{r['delivery_id']:>6}  {r['event']:<10}  {r['attempts']} attempt(s)"
+            f"  {r['outcome']}{error}"
+        )
+    return 0
+
+
 def add_job_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("submit", help="submit a job (or --batch FILE of jobs)")
     add_connection_flags(p)

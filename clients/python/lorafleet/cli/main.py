@@ -20,7 +20,7 @@ from typing import Any
 from lorafleet.cli.jobs import add_job_commands, run_job_command
 from lorafleet.errors import LorafleetError
 
-JOB_COMMANDS = ("submit", "watch", "list", "get", "cancel", "events", "download")
+JOB_COMMANDS = ("submit", "watch", "list", "get", "cancel", "events", "download", "webhooks")
 
 
 def _scheduler_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -67,6 +67,14 @@ def _keys_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     keys = p.add_subparsers(dest="keys_command", required=True)
     create = keys.add_parser("create", help="create a key for OWNER and print it once")
     create.add_argument("owner")
+    create.add_argument("--webhook-url", help="default webhook for jobs submitted with this key")
+    create.add_argument(
+        "--webhook-event",
+        action="append",
+        default=[],
+        choices=["checkpoint", "succeeded", "failed", "canceled"],
+        help="events to send (default: all)",
+    )
     keys.add_parser("list", help="list keys (ids and owners, never secrets)")
     revoke = keys.add_parser("revoke", help="revoke a key by id")
     revoke.add_argument("key_id")
@@ -100,7 +108,14 @@ async def _run_keys(args: argparse.Namespace) -> int:
         ledger = await Ledger.connect(url, min_size=1, max_size=2)
         try:
             if args.keys_command == "create":
-                print(await create_api_key(ledger, args.owner))
+                created = await create_api_key(
+                    ledger,
+                    args.owner,
+                    webhook_url=args.webhook_url,
+                    webhook_events=args.webhook_event,
+                )
+                print(created.key)
+                print(f"webhook secret: {created.webhook_secret}", file=sys.stderr)
             elif args.keys_command == "list":
                 for row in await ledger.list_api_keys():
                     revoked = f" revoked {row['revoked_at']:%Y-%m-%d}" if row["revoked_at"] else ""

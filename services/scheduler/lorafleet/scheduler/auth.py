@@ -12,6 +12,7 @@ import re
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from lorafleet.errors import InvalidArgument, Unauthenticated
 from lorafleet.scheduler.ledger import Ledger
@@ -24,14 +25,43 @@ def _digest(secret: str) -> bytes:
     return hashlib.sha256(secret.encode()).digest()
 
 
-async def create_api_key(ledger: Ledger, owner: str) -> str:
-    """Returns the new key; it is shown once and cannot be recovered from the ledger."""
+@dataclass(frozen=True, kw_only=True)
+class NewApiKey:
+    key: str
+    webhook_secret: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Principal:
+    owner: str
+    key_id: str
+
+
+async def create_api_key(
+    ledger: Ledger,
+    owner: str,
+    *,
+    webhook_url: str | None = None,
+    webhook_events: Sequence[str] = (),
+) -> NewApiKey:
+    """The key and its webhook secret: shown once, neither recoverable from the ledger."""
     if not OWNER_PATTERN.fullmatch(owner):
         raise InvalidArgument("owner", "must match [a-z0-9][a-z0-9_.-]{0,62}")
+    if webhook_url and not re.fullmatch(r"https?://[^\s/?#]+[^\s]*", webhook_url):
+        raise InvalidArgument("webhook_url", "must be an http:// or https:// URL")
+    for event in webhook_events:
+        if event not in ("checkpoint", "succeeded", "failed", "canceled"):
+            raise InvalidArgument("webhook_events", f"unknown event {event!r}")
     key_id = secrets.token_hex(6)
     secret = secrets.token_urlsafe(32)
-    await ledger.insert_api_key(key_id, owner, _digest(secret))
-    return f"lf_{key_id}_{secret}"
+    webhook_secret = await ledger.insert_api_key(
+        key_id,
+        owner,
+        _digest(secret),
+        webhook_url=webhook_url or None,
+        webhook_events=webhook_events,
+    )
+    return NewApiKey(key=f"lf_{key_id}_{secret}", webhook_secret=webhook_secret)
 
 
 def bearer(metadata: Sequence[tuple[str, str | bytes]]) -> str:
@@ -47,9 +77,9 @@ class ApiKeyAuthenticator:
     def __init__(self, ledger: Ledger, *, cache_s: float = 30.0) -> None:
         self._ledger = ledger
         self._cache_s = cache_s
-        self._cache: dict[str, tuple[str, float]] = {}
+        self._cache: dict[str, tuple[Principal, float]] = {}
 
-    async def owner(self, metadata: Sequence[tuple[str, str | bytes]]) -> str:
+    async def principal(self, metadata: Sequence[tuple[str, str | bytes]]) -> Principal:
         key = bearer(metadata)
         cached = self._cache.get(key)
         now = time.monotonic()
@@ -63,8 +93,9 @@ class ApiKeyAuthenticator:
             raise Unauthenticated("authorization: unknown or revoked API key")
         if len(self._cache) > 10_000:
             self._cache.clear()
-        self._cache[key] = (record.owner, now + self._cache_s)
-        return record.owner
+        principal = Principal(owner=record.owner, key_id=record.key_id)
+        self._cache[key] = (principal, now + self._cache_s)
+        return principal
 
 
 def check_worker_token(metadata: Sequence[tuple[str, str | bytes]], expected: str) -> None:

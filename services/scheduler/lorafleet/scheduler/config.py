@@ -45,6 +45,10 @@ class SchedulerConfig:
     scheduler_id: str = ""
     # Seconds a worker has to send Hello after connecting.
     hello_timeout_s: float = 10.0
+    # Webhook retries: backoff doubles from webhook_backoff_s (capped at 10 min), with jitter.
+    webhook_max_attempts: int = 8
+    webhook_backoff_s: float = 2.0
+    webhook_timeout_s: float = 10.0
 
     @classmethod
     def from_env(

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import structlog
 from opentelemetry import trace
@@ -77,7 +78,9 @@ class JobHandler:
         self._notifications = notifications
         self._url_ttl_s = url_ttl_s
 
-    async def submit(self, owner: str, submissions: Sequence[Submission]) -> list[Job]:
+    async def submit(
+        self, owner: str, submissions: Sequence[Submission], *, api_key_id: str | None = None
+    ) -> list[Job]:
         """All or nothing: every spec is checked (and its data found) before any row is written."""
         if not 1 <= len(submissions) <= MAX_BATCH:
             raise InvalidArgument("jobs", f"must hold 1 to {MAX_BATCH} jobs")
@@ -100,7 +103,7 @@ class JobHandler:
                 )
                 for sub in submissions
             ]
-            jobs = await self._ledger.insert_jobs(owner, new)
+            jobs = await self._ledger.insert_jobs(owner, new, api_key_id=api_key_id)
             span.set_attribute("lorafleet.job_ids", [j.job_id for j in jobs])
         for job in jobs:
             log.info("job submitted", job_id=job.job_id, owner=owner)
@@ -208,6 +211,10 @@ class JobHandler:
                 for name in file_names
             )
         )
+
+    async def webhook_deliveries(self, owner: str, job_id: str) -> builtins.list[dict[str, Any]]:
+        job = await self.get(owner, job_id)
+        return await self._ledger.list_webhook_deliveries(job.job_id)
 
     async def artifacts(self, owner: str, job_id: str) -> Artifacts:
         job = await self.get(owner, job_id)

@@ -206,9 +206,22 @@ class Ledger:
 
     # API keys ---------------------------------------------------------------------------------
 
-    async def insert_api_key(self, key_id: str, owner: str, secret_sha256: bytes) -> None:
-        async with self._conn() as conn:
-            await conn.execute(QUERIES["insert_api_key"], key_id, owner, secret_sha256)
+    async def insert_api_key(
+        self,
+        key_id: str,
+        owner: str,
+        secret_sha256: bytes,
+        *,
+        webhook_url: str | None = None,
+        webhook_events: Sequence[str] = (),
+    ) -> str:
+        """Stores the key; returns its webhook signing secret."""
+        row = await self._fetchrow(
+            "insert_api_key", key_id, owner, secret_sha256, webhook_url, list(webhook_events)
+        )
+        assert row is not None
+        secret: str = row["webhook_secret"]
+        return secret
 
     async def get_api_key(self, key_id: str) -> ApiKeyRecord | None:
         row = await self._fetchrow("get_api_key", key_id)
@@ -226,7 +239,9 @@ class Ledger:
 
     # Jobs -------------------------------------------------------------------------------------
 
-    async def insert_jobs(self, owner: str, jobs: Sequence[NewJob]) -> list[Job]:
+    async def insert_jobs(
+        self, owner: str, jobs: Sequence[NewJob], *, api_key_id: str | None = None
+    ) -> list[Job]:
         """All or nothing; returns the jobs in input order (earlier ones for reused keys)."""
         async with self._conn() as conn, conn.transaction():
             rows = await conn.fetch(
@@ -241,6 +256,7 @@ class Ledger:
                 [j.spec.max_train_steps for j in jobs],
                 [dict(j.spec.labels) for j in jobs],
                 [j.traceparent for j in jobs],
+                api_key_id,
             )
             by_id = {str(r["job_id"]): job_from_row(r) for r in rows}
             by_key: dict[str, Job] = {}
@@ -423,8 +439,52 @@ class Ledger:
         count: int = row[0]
         return count
 
+    # Webhook outbox -------------------------------------------------------------------------
+
+    async def claim_webhook_deliveries(self, limit: int, claim_s: float) -> list[WebhookDelivery]:
+        rows = await self._fetch("claim_webhook_deliveries", limit, claim_s)
+        return [
+            WebhookDelivery(
+                delivery_id=r["delivery_id"],
+                job_id=str(r["job_id"]),
+                event=r["event"],
+                url=r["url"],
+                payload=r["payload"],
+                attempts=r["attempts"],
+                secret=r["webhook_secret"],
+            )
+            for r in rows
+        ]
+
+    async def webhook_delivered(self, delivery_id: int, status: int) -> None:
+        await self._fetch("webhook_delivered", delivery_id, status)
+
+    async def webhook_failed(
+        self, delivery_id: int, status: int | None, error: str, retry_in_s: float | None
+    ) -> None:
+        """Records a failed attempt; `retry_in_s` None gives up on the delivery."""
+        await self._fetch("webhook_failed", delivery_id, status, error[:2000], retry_in_s)
+
+    async def next_webhook_due(self) -> float | None:
+        row = await self._fetchrow("next_webhook_due")
+        return None if row is None or row[0] is None else float(row[0])
+
+    async def list_webhook_deliveries(self, job_id: str) -> list[dict[str, Any]]:
+        return [dict(r) for r in await self._fetch("list_webhook_deliveries", uuid.UUID(job_id))]
+
     async def job_leases(self, job_id: str) -> list[dict[str, Any]]:
         return [dict(r) for r in await self._fetch("job_leases", uuid.UUID(job_id))]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WebhookDelivery:
+    delivery_id: int
+    job_id: str
+    event: str
+    url: str
+    payload: dict[str, Any]
+    attempts: int
+    secret: str
 
 
 def _uuid_or_nil(value: str) -> uuid.UUID:

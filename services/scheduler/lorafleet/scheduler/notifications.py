@@ -19,7 +19,8 @@ log = structlog.get_logger(__name__)
 WORK = "lorafleet_work"
 LEASE_ENDED = "lorafleet_lease_ended"
 JOB_EVENT = "lorafleet_job_event"
-CHANNELS = (WORK, LEASE_ENDED, JOB_EVENT)
+WEBHOOK = "lorafleet_webhook"
+CHANNELS = (WORK, LEASE_ENDED, JOB_EVENT, WEBHOOK)
 
 Callback = Callable[[str | None], None]
 

@@ -38,6 +38,7 @@ from lorafleet.scheduler.storage import (
     ObjectStore,
     S3ObjectStore,
 )
+from lorafleet.scheduler.webhooks import WebhookSender
 
 log = structlog.get_logger(__name__)
 
@@ -180,6 +181,14 @@ class Scheduler:
         self._tasks.append(
             asyncio.create_task(self._fleet.run_sweeper(cfg.sweep_interval_s), name="sweeper")
         )
+        webhooks = WebhookSender(
+            ledger=self._ledger,
+            notifications=self._notifications,
+            max_attempts=cfg.webhook_max_attempts,
+            backoff_s=cfg.webhook_backoff_s,
+            timeout_s=cfg.webhook_timeout_s,
+        )
+        self._tasks.append(asyncio.create_task(webhooks.run(), name="webhooks"))
         log.info(
             "scheduler started",
             scheduler_id=self.scheduler_id,

@@ -22,7 +22,7 @@ from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
-from lorafleet.scheduler.auth import ApiKeyAuthenticator, check_worker_token
+from lorafleet.scheduler.auth import ApiKeyAuthenticator, Principal, check_worker_token
 from lorafleet.scheduler.fleet import Fleet
 from lorafleet.scheduler.jobs import JobHandler, Submission
 from lorafleet.serde import (
@@ -72,22 +72,22 @@ class JobServicer(pbgrpc.JobServiceServicer):
     async def _call(
         self,
         context: grpc.aio.ServicerContext[object, object],
-        fn: Callable[[str], Awaitable[T]],
+        fn: Callable[[Principal], Awaitable[T]],
     ) -> T:
         try:
-            owner = await self._auth.owner(context.invocation_metadata() or ())
-            return await fn(owner)
+            principal = await self._auth.principal(context.invocation_metadata() or ())
+            return await fn(principal)
         except Exception as exc:  # every error is mapped to a status
             await abort_for(context, exc)
 
     async def SubmitJob(
         self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.SubmitJobResponse:
-        async def run(owner: str) -> pb.SubmitJobResponse:
+        async def run(caller: Principal) -> pb.SubmitJobResponse:
             sub = Submission(
                 spec=_spec(request.spec, "spec"), idempotency_key=request.idempotency_key
             )
-            (job,) = await self._handler.submit(owner, [sub])
+            (job,) = await self._handler.submit(caller.owner, [sub], api_key_id=caller.key_id)
             return pb.SubmitJobResponse(job=job_to_proto(job))
 
         return await self._call(context, run)
@@ -95,12 +95,12 @@ class JobServicer(pbgrpc.JobServiceServicer):
     async def SubmitJobs(
         self, request: pb.SubmitJobsRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.SubmitJobsResponse:
-        async def run(owner: str) -> pb.SubmitJobsResponse:
+        async def run(caller: Principal) -> pb.SubmitJobsResponse:
             subs = [
                 Submission(spec=_spec(r.spec, f"jobs[{i}].spec"), idempotency_key=r.idempotency_key)
                 for i, r in enumerate(request.jobs)
             ]
-            jobs = await self._handler.submit(owner, subs)
+            jobs = await self._handler.submit(caller.owner, subs, api_key_id=caller.key_id)
             return pb.SubmitJobsResponse(jobs=[job_to_proto(j) for j in jobs])
 
         return await self._call(context, run)
@@ -108,9 +108,9 @@ class JobServicer(pbgrpc.JobServiceServicer):
     async def GetJob(
         self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.GetJobResponse:
-        async def run(owner: str) -> pb.GetJobResponse:
+        async def run(caller: Principal) -> pb.GetJobResponse:
             return pb.GetJobResponse(
-                job=job_to_proto(await self._handler.get(owner, request.job_id))
+                job=job_to_proto(await self._handler.get(caller.owner, request.job_id))
             )
 
         return await self._call(context, run)
@@ -118,10 +118,10 @@ class JobServicer(pbgrpc.JobServiceServicer):
     async def ListJobs(
         self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.ListJobsResponse:
-        async def run(owner: str) -> pb.ListJobsResponse:
+        async def run(caller: Principal) -> pb.ListJobsResponse:
             states = [job_state_from_proto(s, f"states[{i}]") for i, s in enumerate(request.states)]
             jobs, token = await self._handler.list_jobs(
-                owner,
+                caller.owner,
                 states=states,
                 labels=dict(request.labels),
                 page_size=request.page_size,
@@ -134,8 +134,8 @@ class JobServicer(pbgrpc.JobServiceServicer):
     async def CancelJob(
         self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.CancelJobResponse:
-        async def run(owner: str) -> pb.CancelJobResponse:
-            job = await self._handler.cancel(owner, request.job_id)
+        async def run(caller: Principal) -> pb.CancelJobResponse:
+            job = await self._handler.cancel(caller.owner, request.job_id)
             return pb.CancelJobResponse(job=job_to_proto(job))
 
         return await self._call(context, run)
@@ -144,9 +144,9 @@ class JobServicer(pbgrpc.JobServiceServicer):
         self, request: pb.WatchJobRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> AsyncIterator[pb.WatchJobResponse]:
         try:
-            owner = await self._auth.owner(context.invocation_metadata() or ())
+            caller = await self._auth.principal(context.invocation_metadata() or ())
             stream = self._handler.watch(
-                owner, request.job_id, after_event_id=request.after_event_id
+                caller.owner, request.job_id, after_event_id=request.after_event_id
             )
             async for job, event in stream:
                 response = pb.WatchJobResponse(job=job_to_proto(job))
@@ -161,9 +161,9 @@ class JobServicer(pbgrpc.JobServiceServicer):
     async def ListJobEvents(
         self, request: pb.ListJobEventsRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.ListJobEventsResponse:
-        async def run(owner: str) -> pb.ListJobEventsResponse:
+        async def run(caller: Principal) -> pb.ListJobEventsResponse:
             events, after = await self._handler.events(
-                owner,
+                caller.owner,
                 request.job_id,
                 after_event_id=request.after_event_id,
                 page_size=request.page_size,
@@ -177,8 +177,10 @@ class JobServicer(pbgrpc.JobServiceServicer):
     async def CreateUploadUrls(
         self, request: pb.CreateUploadUrlsRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.CreateUploadUrlsResponse:
-        async def run(owner: str) -> pb.CreateUploadUrlsResponse:
-            urls = await self._handler.upload_urls(owner, request.prefix, list(request.file_names))
+        async def run(caller: Principal) -> pb.CreateUploadUrlsResponse:
+            urls = await self._handler.upload_urls(
+                caller.owner, request.prefix, list(request.file_names)
+            )
             return pb.CreateUploadUrlsResponse(
                 urls=[
                     pb.SignedUrl(
@@ -193,10 +195,10 @@ class JobServicer(pbgrpc.JobServiceServicer):
     async def GetJobArtifacts(
         self, request: pb.GetJobArtifactsRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.GetJobArtifactsResponse:
-        async def run(owner: str) -> pb.GetJobArtifactsResponse:
+        async def run(caller: Principal) -> pb.GetJobArtifactsResponse:
             from lorafleet.serde import checkpoint_to_proto
 
-            artifacts = await self._handler.artifacts(owner, request.job_id)
+            artifacts = await self._handler.artifacts(caller.owner, request.job_id)
             response = pb.GetJobArtifactsResponse()
             if artifacts.result is not None:
                 r = artifacts.result
@@ -216,6 +218,33 @@ class JobServicer(pbgrpc.JobServiceServicer):
                 )
                 response.checkpoint_records.append(checkpoint_to_proto(checkpoint))
             return response
+
+        return await self._call(context, run)
+
+    async def ListWebhookDeliveries(
+        self,
+        request: pb.ListWebhookDeliveriesRequest,
+        context: grpc.aio.ServicerContext[object, object],
+    ) -> pb.ListWebhookDeliveriesResponse:
+        async def run(caller: Principal) -> pb.ListWebhookDeliveriesResponse:
+            rows = await self._handler.webhook_deliveries(caller.owner, request.job_id)
+            return pb.ListWebhookDeliveriesResponse(
+                deliveries=[
+                    pb.WebhookDelivery(
+                        delivery_id=r["delivery_id"],
+                        event=r["event"],
+                        url=r["url"],
+                        attempts=r["attempts"],
+                        last_status=r["last_status"] or 0,
+                        last_error=r["last_error"] or "",
+                        delivered_at=timestamp(r["delivered_at"]),
+                        gave_up_at=timestamp(r["gave_up_at"]),
+                        created_at=timestamp(r["created_at"]),
+                        next_attempt_at=timestamp(r["next_attempt_at"]),
+                    )
+                    for r in rows
+                ]
+            )
 
         return await self._call(context, run)
 

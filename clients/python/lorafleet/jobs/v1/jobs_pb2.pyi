@@ -1141,3 +1141,96 @@ class GetJobArtifactsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetJobArtifactsResponse: _TypeAlias = GetJobArtifactsResponse  # noqa: Y015
+
+@_typing.final
+class WebhookDelivery(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELIVERY_ID_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    LAST_STATUS_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    DELIVERED_AT_FIELD_NUMBER: _builtins.int
+    GAVE_UP_AT_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    NEXT_ATTEMPT_AT_FIELD_NUMBER: _builtins.int
+    delivery_id: _builtins.int
+    event: _builtins.str
+    """checkpoint, succeeded, failed or canceled."""
+    url: _builtins.str
+    attempts: _builtins.int
+    last_status: _builtins.int
+    """HTTP status of the last attempt; 0 when there was no response."""
+    last_error: _builtins.str
+    @_builtins.property
+    def delivered_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def gave_up_at(self) -> _timestamp_pb2.Timestamp:
+        """Set when every attempt failed and lorafleet stopped trying."""
+
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def next_attempt_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        delivery_id: _builtins.int = ...,
+        event: _builtins.str = ...,
+        url: _builtins.str = ...,
+        attempts: _builtins.int = ...,
+        last_status: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+        delivered_at: _timestamp_pb2.Timestamp | None = ...,
+        gave_up_at: _timestamp_pb2.Timestamp | None = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        next_attempt_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "delivered_at", b"delivered_at", "gave_up_at", b"gave_up_at", "next_attempt_at", b"next_attempt_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "delivered_at", b"delivered_at", "delivery_id", b"delivery_id", "event", b"event", "gave_up_at", b"gave_up_at", "last_error", b"last_error", "last_status", b"last_status", "next_attempt_at", b"next_attempt_at", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WebhookDelivery: _TypeAlias = WebhookDelivery  # noqa: Y015
+
+@_typing.final
+class ListWebhookDeliveriesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListWebhookDeliveriesRequest: _TypeAlias = ListWebhookDeliveriesRequest  # noqa: Y015
+
+@_typing.final
+class ListWebhookDeliveriesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELIVERIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deliveries(self) -> _containers.RepeatedCompositeFieldContainer[Global___WebhookDelivery]: ...
+    def __init__(
+        self,
+        *,
+        deliveries: _abc.Iterable[Global___WebhookDelivery] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deliveries", b"deliveries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListWebhookDeliveriesResponse: _TypeAlias = ListWebhookDeliveriesResponse  # noqa: Y015

@@ -79,6 +79,11 @@ class JobServiceStub:
                 request_serializer=lorafleet_dot_jobs_dot_v1_dot_jobs__pb2.GetJobArtifactsRequest.SerializeToString,
                 response_deserializer=lorafleet_dot_jobs_dot_v1_dot_jobs__pb2.GetJobArtifactsResponse.FromString,
                 _registered_method=True)
+        self.ListWebhookDeliveries = channel.unary_unary(
+                '/lorafleet.jobs.v1.JobService/ListWebhookDeliveries',
+                request_serializer=lorafleet_dot_jobs_dot_v1_dot_jobs__pb2.ListWebhookDeliveriesRequest.SerializeToString,
+                response_deserializer=lorafleet_dot_jobs_dot_v1_dot_jobs__pb2.ListWebhookDeliveriesResponse.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -138,6 +143,13 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListWebhookDeliveries(self, request, context):
+        """The delivery log of the job's webhook notifications.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +197,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.GetJobArtifacts,
                     request_deserializer=lorafleet_dot_jobs_dot_v1_dot_jobs__pb2.GetJobArtifactsRequest.FromString,
                     response_serializer=lorafleet_dot_jobs_dot_v1_dot_jobs__pb2.GetJobArtifactsResponse.SerializeToString,
+            ),
+            'ListWebhookDeliveries': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWebhookDeliveries,
+                    request_deserializer=lorafleet_dot_jobs_dot_v1_dot_jobs__pb2.ListWebhookDeliveriesRequest.FromString,
+                    response_serializer=lorafleet_dot_jobs_dot_v1_dot_jobs__pb2.ListWebhookDeliveriesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +447,33 @@ class JobService:
             '/lorafleet.jobs.v1.JobService/GetJobArtifacts',
             lorafleet_dot_jobs_dot_v1_dot_jobs__pb2.GetJobArtifactsRequest.SerializeToString,
             lorafleet_dot_jobs_dot_v1_dot_jobs__pb2.GetJobArtifactsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWebhookDeliveries(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorafleet.jobs.v1.JobService/ListWebhookDeliveries',
+            lorafleet_dot_jobs_dot_v1_dot_jobs__pb2.ListWebhookDeliveriesRequest.SerializeToString,
+            lorafleet_dot_jobs_dot_v1_dot_jobs__pb2.ListWebhookDeliveriesResponse.FromString,
             options,
             channel_credentials,
             insecure,

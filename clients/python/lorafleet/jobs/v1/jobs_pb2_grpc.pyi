@@ -40,6 +40,8 @@ class JobServiceStub:
     ListJobEvents: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.ListJobEventsRequest, _jobs_pb2.ListJobEventsResponse]
     CreateUploadUrls: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.CreateUploadUrlsRequest, _jobs_pb2.CreateUploadUrlsResponse]
     GetJobArtifacts: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.GetJobArtifactsRequest, _jobs_pb2.GetJobArtifactsResponse]
+    ListWebhookDeliveries: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.ListWebhookDeliveriesRequest, _jobs_pb2.ListWebhookDeliveriesResponse]
+    """The delivery log of the job's webhook notifications."""
 
 @_typing.type_check_only
 class JobServiceAsyncStub(JobServiceStub):
@@ -53,6 +55,8 @@ class JobServiceAsyncStub(JobServiceStub):
     ListJobEvents: _aio.UnaryUnaryMultiCallable[_jobs_pb2.ListJobEventsRequest, _jobs_pb2.ListJobEventsResponse]  # type: ignore[assignment]
     CreateUploadUrls: _aio.UnaryUnaryMultiCallable[_jobs_pb2.CreateUploadUrlsRequest, _jobs_pb2.CreateUploadUrlsResponse]  # type: ignore[assignment]
     GetJobArtifacts: _aio.UnaryUnaryMultiCallable[_jobs_pb2.GetJobArtifactsRequest, _jobs_pb2.GetJobArtifactsResponse]  # type: ignore[assignment]
+    ListWebhookDeliveries: _aio.UnaryUnaryMultiCallable[_jobs_pb2.ListWebhookDeliveriesRequest, _jobs_pb2.ListWebhookDeliveriesResponse]  # type: ignore[assignment]
+    """The delivery log of the job's webhook notifications."""
 
 class JobServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -117,5 +121,13 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _jobs_pb2.GetJobArtifactsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_jobs_pb2.GetJobArtifactsResponse, _abc.Awaitable[_jobs_pb2.GetJobArtifactsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListWebhookDeliveries(
+        self,
+        request: _jobs_pb2.ListWebhookDeliveriesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_jobs_pb2.ListWebhookDeliveriesResponse, _abc.Awaitable[_jobs_pb2.ListWebhookDeliveriesResponse]]:
+        """The delivery log of the job's webhook notifications."""
 
 def add_JobServiceServicer_to_server(servicer: JobServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -3,7 +3,9 @@
 -- (lease_id, epoch) is still its live lease.
 
 -- name: insert_api_key
-INSERT INTO api_keys (key_id, owner, secret_sha256) VALUES ($1, $2, $3);
+INSERT INTO api_keys (key_id, owner, secret_sha256, webhook_url, webhook_events)
+VALUES ($1, $2, $3, $4, $5)
+RETURNING webhook_secret;
 
 -- name: get_api_key
 SELECT key_id, owner, secret_sha256 FROM api_keys WHERE key_id = $1 AND revoked_at IS NULL;
@@ -12,10 +14,10 @@ SELECT key_id, owner, secret_sha256 FROM api_keys WHERE key_id = $1 AND revoked_
 UPDATE api_keys SET revoked_at = now() WHERE key_id = $1 AND revoked_at IS NULL RETURNING key_id;
 
 -- name: list_api_keys
-SELECT key_id, owner, created_at, revoked_at FROM api_keys ORDER BY created_at, key_id;
+SELECT key_id, owner, created_at, revoked_at, webhook_url FROM api_keys ORDER BY created_at, key_id;
 
 -- name: insert_jobs
--- $1 owner; then one array per column, one element per job. Rows whose idempotency key the owner
+-- $1 owner; then one array per column, one element per job; $11 the submitting API key. Rows whose idempotency key the owner
 -- already used are skipped here and read back by get_jobs_by_idempotency_key.
 WITH input AS (
     SELECT * FROM unnest($2::uuid[], $3::text[], $4::jsonb[], $5::int[], $6::int[], $7::int[],
@@ -24,9 +26,9 @@ WITH input AS (
               max_train_steps, labels, traceparent)
 ), inserted AS (
     INSERT INTO jobs (job_id, owner, idempotency_key, spec, state, priority, min_vram_mb,
-                      max_failures, max_train_steps, labels, traceparent)
+                      max_failures, max_train_steps, labels, traceparent, api_key_id)
     SELECT job_id, $1, NULLIF(idempotency_key, ''), spec, 'QUEUED', priority, min_vram_mb,
-           max_failures, max_train_steps, labels, NULLIF(traceparent, '')
+           max_failures, max_train_steps, labels, NULLIF(traceparent, ''), $11
     FROM input
     ON CONFLICT (owner, idempotency_key) DO NOTHING
     RETURNING *
@@ -322,3 +324,42 @@ SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'QUEUED' LIMIT $1) q;
 
 -- name: job_leases
 SELECT * FROM leases WHERE job_id = $1 ORDER BY epoch;
+
+-- name: claim_webhook_deliveries
+-- Takes up to $1 due deliveries for $2 seconds (a crashed replica's claims come back after it).
+WITH due AS (
+    SELECT delivery_id FROM webhook_deliveries
+    WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_attempt_at <= now()
+    ORDER BY next_attempt_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE webhook_deliveries d
+SET attempts = d.attempts + 1, next_attempt_at = now() + make_interval(secs => $2)
+FROM due, jobs j, api_keys k
+WHERE d.delivery_id = due.delivery_id AND j.job_id = d.job_id AND k.key_id = j.api_key_id
+RETURNING d.delivery_id, d.job_id, d.event, d.url, d.payload, d.attempts, k.webhook_secret;
+
+-- name: webhook_delivered
+UPDATE webhook_deliveries SET delivered_at = now(), last_status = $2, last_error = NULL
+WHERE delivery_id = $1;
+
+-- name: webhook_failed
+-- $1 delivery, $2 status (NULL: no response), $3 error, $4 seconds until the next try, or
+-- NULL to give up.
+UPDATE webhook_deliveries
+SET last_status = $2, last_error = $3,
+    next_attempt_at = CASE WHEN $4::float8 IS NULL THEN next_attempt_at
+                           ELSE now() + make_interval(secs => $4::float8) END,
+    gave_up_at = CASE WHEN $4::float8 IS NULL THEN now() END
+WHERE delivery_id = $1;
+
+-- name: list_webhook_deliveries
+SELECT delivery_id, event, url, attempts, last_status, last_error, delivered_at, gave_up_at,
+       created_at, next_attempt_at
+FROM webhook_deliveries WHERE job_id = $1 ORDER BY delivery_id;
+
+-- name: next_webhook_due
+-- Seconds until the next pending delivery is due (NULL: none pending).
+SELECT extract(epoch FROM min(next_attempt_at) - now()) FROM webhook_deliveries
+WHERE delivered_at IS NULL AND gave_up_at IS NULL;
