@@ -50,6 +50,9 @@ BEGIN
     END IF;
     SELECT * INTO job FROM jobs WHERE job_id = NEW.job_id;
     SELECT * INTO key FROM api_keys WHERE key_id = job.api_key_id;
+    IF NOT FOUND THEN
+        RETURN NULL;  -- no submitting key (an admin insert): nothing to sign deliveries with
+    END IF;
     IF coalesce(job.spec ->> 'webhook_url', '') <> '' THEN
         target := job.spec ->> 'webhook_url';
         wanted := ARRAY(SELECT jsonb_array_elements_text(job.spec -> 'webhook_events'));
