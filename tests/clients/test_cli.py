@@ -103,6 +103,24 @@ async def test_cli_job_commands(
     )
     assert code == 0 and target.read_bytes() == lora
 
+    picture = tmp_path / "timeline.html"
+    code, out, _ = await lorafleet(
+        capsys, monkeypatch, fleet, "timeline", job_id, "-o", str(picture)
+    )
+    assert code == 0 and "<svg" in picture.read_text() and "m1" in picture.read_text()
+    code, out, _ = await lorafleet(
+        capsys,
+        monkeypatch,
+        fleet,
+        "report",
+        "--label",
+        "team=a",
+        "--price-per-gpu-hour",
+        "1.5",
+        "--json",
+    )
+    assert code == 0 and job_id in out
+
 
 async def test_cli_batch_cancel_and_errors(
     fleet: Fleet,

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from lorafleet.cli.report import format_report, report_command, report_to_json
+from lorafleet.cli.timeline import timeline_command
 from lorafleet.client import AsyncClient
 from lorafleet.errors import InvalidArgument
 from lorafleet.jobs.v1 import jobs_pb2 as pb
@@ -409,6 +411,21 @@ def add_job_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         add_connection_flags(p)
         p.add_argument("job_id")
 
+    p = sub.add_parser(
+        "timeline", help="a picture of a job's life: leases per machine, checkpoints"
+    )
+    add_connection_flags(p)
+    p.add_argument("job_id")
+    p.add_argument("-o", "--output", required=True, help="file.html, file.svg or file.png")
+
+    p = sub.add_parser("report", help="jobs, wall time, s/step, nodes needed, GPU-seconds, cost")
+    add_connection_flags(p)
+    p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--since", type=datetime.fromisoformat, help="created at or after (ISO time)")
+    p.add_argument("--until", type=datetime.fromisoformat, help="created before (ISO time)")
+    p.add_argument("--price-per-gpu-hour", type=float, default=0.0, help="for the cost figures")
+    p.add_argument("--per-job", action="store_true", help="a line per job too")
+
     p = sub.add_parser("download", help="download the final LoRA (or a checkpoint)")
     add_connection_flags(p)
     p.add_argument("job_id")
@@ -422,6 +439,23 @@ async def run_job_command(args: argparse.Namespace) -> int:
             return await submit(client, args)
         if args.command == "watch":
             return await watch(client, args.job_id, as_json=args.json)
+        if args.command == "timeline":
+            path = await timeline_command(client, args.job_id, args.output)
+            print_json({"path": str(path)}) if args.json else print(path)
+            return 0
+        if args.command == "report":
+            report = await report_command(
+                client,
+                labels=parse_labels(args.label),
+                since=args.since,
+                until=args.until,
+                price_per_gpu_hour=args.price_per_gpu_hour,
+            )
+            if args.json:
+                print_json(report_to_json(report))
+            else:
+                print(format_report(report, per_job=args.per_job))
+            return 0
         commands = {
             "list": list_jobs,
             "get": get,

@@ -20,7 +20,18 @@ from typing import Any
 from lorafleet.cli.jobs import add_job_commands, run_job_command
 from lorafleet.errors import LorafleetError
 
-JOB_COMMANDS = ("submit", "watch", "list", "get", "cancel", "events", "download", "webhooks")
+JOB_COMMANDS = (
+    "submit",
+    "watch",
+    "list",
+    "get",
+    "cancel",
+    "events",
+    "timeline",
+    "report",
+    "download",
+    "webhooks",
+)
 
 
 def _scheduler_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
