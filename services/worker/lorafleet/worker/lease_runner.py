@@ -1,0 +1,803 @@
+"""One lease, from grant to result: inputs, resume, training in a thread, uploads, the outcome.
+
+`LeaseRunner.run()` is one coroutine per lease, driven by the agent:
+
+1. Download the instance images (and their `.txt` captions) and any class images in parallel
+   into memory through the grant's signed URLs.
+2. Resume: the grant lists committed checkpoints newest first. Each is downloaded into memory,
+   its sha256 checked against the ledger's and its blob verified; a bad one is reported with a
+   `Notice` and the next older one tried. No usable checkpoint: start from step 0.
+3. Train: `Trainer.run` blocks, so it runs in a worker thread (`asyncio.to_thread`) and talks
+   back only through hooks that return at once: progress goes into a latest-value-wins slot
+   the agent's heartbeat reads, snapshots and generated images are handed to the event loop.
+4. Checkpoints: the training thread only takes a host-memory snapshot. Serialising it (in a
+   thread), asking the scheduler for the PUT URL, uploading and `CheckpointCommitted` run in the
+   background while training continues: one upload at a time and one snapshot waiting; a newer
+   snapshot replaces the waiting one. No checkpoint byte touches local disk.
+5. The end: the LoRA goes to `urls.result_upload` and `JobSucceeded` follows; a failure sends
+   `JobFailed` with the trainer's class (input, node, internal). A revocation or rejection
+   (`cancel`) stops the thread at its next step boundary and sends nothing more; a drain stops
+   it there with a snapshot, which is uploaded and committed before `run()` returns.
+
+The runner reaches the scheduler only through a `LeaseLink`, which the agent implements on top
+of its current stream and which waits while the agent reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import hashlib
+import math
+import threading
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from lorafleet.errors import StorageError
+from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from lorafleet.jobs.v1 import jobs_pb2 as pb
+from lorafleet.serde import spec_from_proto
+from lorafleet.worker.config import WorkerConfig
+from lorafleet.worker.training import (
+    CorruptCheckpoint,
+    FailureClass,
+    Finished,
+    Stopped,
+    StopReason,
+    Trainer,
+    TrainingConfig,
+    TrainingFailure,
+    TrainingHooks,
+    TrainingImage,
+    TrainingOutcome,
+    TrainingSnapshot,
+    classify_exception,
+    images_from_files,
+    load_checkpoint,
+    serialize_checkpoint,
+)
+from lorafleet.worker.transfer import TransferClient
+
+log = structlog.get_logger(__name__)
+tracer = trace.get_tracer("lorafleet.worker")
+
+_MIB = 1024 * 1024
+# Attempts at getting an upload URL before giving up on that upload.
+_URL_REQUEST_ATTEMPTS = 3
+_FAILURE_CLASSES: dict[FailureClass, pb.FailureClass.ValueType] = {
+    "node": pb.FAILURE_CLASS_NODE,
+    "input": pb.FAILURE_CLASS_INPUT,
+    "internal": pb.FAILURE_CLASS_INTERNAL,
+}
+# What JobFailed.message may carry (the scheduler keeps 4000 characters).
+_MAX_MESSAGE_CHARS = 4000
+
+SlotKey = tuple[int, int, int]
+
+
+class LeaseLost(Exception):
+    """The lease is no longer this worker's (revoked, rejected, not resumed): stop acting on it."""
+
+
+class LeaseLink(Protocol):
+    """What a runner needs from the connection; the agent implements it."""
+
+    async def send(self, message: fpb.ConnectRequest) -> None:
+        """Queues a message about this lease on the stream, waiting while the agent reconnects.
+
+        Raises `LeaseLost` once the lease is gone.
+        """
+        ...
+
+
+class TrainerLike(Protocol):
+    """`lorafleet.worker.training.Trainer`'s blocking entry point."""
+
+    def run(
+        self,
+        *,
+        instance_images: Sequence[TrainingImage],
+        class_images: Sequence[TrainingImage] = (),
+        resume: TrainingSnapshot | None = None,
+        hooks: TrainingHooks | None = None,
+    ) -> TrainingOutcome: ...
+
+
+TrainerFactory = Callable[[TrainingConfig], TrainerLike]
+
+
+class LeaseResult(enum.Enum):
+    """How `LeaseRunner.run()` ended."""
+
+    SUCCEEDED = "succeeded"  # result uploaded, JobSucceeded sent
+    FAILED = "failed"  # JobFailed sent
+    DRAINED = "drained"  # stopped for a drain; its snapshot committed when there was one
+    STOPPED = "stopped"  # canceled, revoked, rejected or aborted: nothing more to send
+
+
+class _Mode(enum.Enum):
+    TRAINING = "training"
+    # Stop at the next step boundary with a snapshot, then commit it.
+    DRAINING = "draining"
+    # Stop at once; the lease is gone (revoked, rejected, lost): send nothing more about it.
+    CANCELLED = "cancelled"
+    # Stop at once; the lease is still ours (the worker is going away without a checkpoint).
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgressReport:
+    """The newest training progress, as a heartbeat carries it (NaN: not known yet)."""
+
+    step: int
+    loss: float = math.nan
+    learning_rate: float = math.nan
+    seconds_per_step: float = math.nan
+    gpu_memory_mb: int = 0
+
+
+class ProgressSlot:
+    """Latest value wins: the training thread publishes, the heartbeat loop reads.
+
+    Older values are simply overwritten; nothing queues up however slow the reader is.
+    """
+
+    def __init__(self, initial: ProgressReport) -> None:
+        # A lock rather than relying on atomic attribute stores, so the slot stays correct on a
+        # free-threaded interpreter too; it is held for one assignment.
+        self._lock = threading.Lock()
+        self._value = initial
+
+    def publish(self, report: ProgressReport) -> None:
+        with self._lock:
+            self._value = report
+
+    def latest(self) -> ProgressReport:
+        with self._lock:
+            return self._value
+
+
+class CheckpointPipeline:
+    """Background checkpoint uploads: one running, at most one snapshot waiting.
+
+    `offer()` (event loop only) never blocks: when an upload is still running, the offered
+    snapshot waits and replaces any older waiting one, so memory holds at most two snapshots
+    and the newest state is always the next one stored. Uploads run one at a time, so commits
+    reach the ledger in step order.
+    """
+
+    def __init__(self, upload: Callable[[TrainingSnapshot], Awaitable[None]]) -> None:
+        self._upload = upload
+        self._waiting: TrainingSnapshot | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.dropped_steps: list[int] = []
+
+    def offer(self, snapshot: TrainingSnapshot) -> None:
+        if self._closed:
+            return
+        if self._waiting is not None:
+            self.dropped_steps.append(self._waiting.step)
+            log.info(
+                "checkpoint skipped: the previous upload is still running and a newer snapshot"
+                " replaces it",
+                step=self._waiting.step,
+                newer_step=snapshot.step,
+            )
+        self._waiting = snapshot
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._consume())
+        self._wake.set()
+
+    async def _consume(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while (snapshot := self._waiting) is not None:
+                self._waiting = None
+                try:
+                    await self._upload(snapshot)
+                except LeaseLost:
+                    self._closed = True
+                    return
+                except Exception:
+                    # One lost checkpoint costs one interval of work; the next one may succeed.
+                    log.exception("checkpoint upload failed", step=snapshot.step)
+
+    async def close(self) -> None:
+        """Drops the waiting snapshot and cancels a running upload; idempotent."""
+        self._closed = True
+        self._waiting = None
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def slot_key(slot: fpb.UploadSlot) -> SlotKey:
+    return (int(slot.kind), int(slot.step), int(slot.index))
+
+
+def _serialize(snapshot: TrainingSnapshot) -> tuple[bytes, str]:
+    data = serialize_checkpoint(snapshot)
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def _verified_snapshot(data: bytes, expected_sha256: str) -> TrainingSnapshot:
+    """Checks the ledger's digest, then parses (which checks the blob's own digest)."""
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected_sha256:
+        raise CorruptCheckpoint(f"sha256 {actual[:12]}... does not match the ledger's")
+    return load_checkpoint(data)
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _gpu_memory_mb() -> int:
+    """Peak accelerator memory of this process, when CUDA is in use."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return int(torch.cuda.max_memory_reserved()) // _MIB
+    except Exception:  # progress reporting must never break training
+        return 0
+    return 0
+
+
+def failure_message(exc: BaseException) -> str:
+    """What JobFailed says: a `TrainingFailure`'s own (user-facing) message, else the
+    exception's type and text."""
+    text = str(exc) if isinstance(exc, TrainingFailure) else f"{type(exc).__name__}: {exc}"
+    return text.replace("\x00", "")[:_MAX_MESSAGE_CHARS] or type(exc).__name__
+
+
+class LeaseRunner:
+    """Runs one granted lease; see the module docstring for the sequence.
+
+    Event-loop methods: `run()`, `cancel()`, `drain()`, `abort()`, `urls_renewed()`.
+    `progress` is the latest-value-wins slot the heartbeat reads.
+    """
+
+    def __init__(
+        self,
+        *,
+        grant: fpb.LeaseGranted,
+        link: LeaseLink,
+        transfer: TransferClient,
+        config: WorkerConfig,
+        trainer_factory: TrainerFactory = Trainer,
+    ) -> None:
+        self.grant = grant
+        self.ref = fpb.LeaseRef(lease_id=grant.lease.lease_id, epoch=grant.lease.epoch)
+        self.job_id = grant.lease.job_id
+        self._link = link
+        self._transfer = transfer
+        self._config = config
+        self._trainer_factory = trainer_factory
+        self._urls = fpb.JobUrls()
+        self._urls.CopyFrom(grant.urls)
+        self._mode = _Mode.TRAINING
+        # Until the first progress: the newest committed checkpoint's step, which is where a
+        # resumed run starts, so heartbeats never report the job going backwards.
+        newest = grant.urls.checkpoints[0].checkpoint.step if grant.urls.checkpoints else 0
+        self.progress = ProgressSlot(ProgressReport(step=newest))
+        self._url_waiters: dict[SlotKey, list[asyncio.Future[fpb.UploadUrl]]] = {}
+        self._pipeline = CheckpointPipeline(self._upload_checkpoint)
+        self._artifact_tasks: set[asyncio.Task[bool]] = set()
+        self._class_uploads: list[asyncio.Task[bool]] = []
+        self._artifact_gate = asyncio.Semaphore(config.artifact_upload_concurrency)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._work: asyncio.Task[LeaseResult] | None = None
+        # The training thread's future, once started: from then on stops go through
+        # should_stop, because a thread cannot be interrupted.
+        self._thread: asyncio.Future[TrainingOutcome] | None = None
+        # JobSucceeded or JobFailed once sent: the agent re-sends it if the stream broke before
+        # the scheduler could have read it.
+        self.terminal_message: fpb.ConnectRequest | None = None
+        self.committed_steps: list[int] = []
+        # Notices sent about this lease (e.g. a corrupt checkpoint skipped on resume).
+        self.notices: list[str] = []
+        self.result: LeaseResult | None = None
+        self.stop_requested_at_step: int | None = None
+        self._log = log.bind(
+            job_id=self.job_id,
+            lease_id=self.ref.lease_id,
+            epoch=self.ref.epoch,
+            machine_id=config.machine_id,
+        )
+
+    # Control from the agent (event loop) ------------------------------------------------------
+
+    @property
+    def holds_lease(self) -> bool:
+        """True while the lease is still ours to report on (not revoked, not finished)."""
+        return self._mode is not _Mode.CANCELLED and self.terminal_message is None
+
+    def cancel(self, reason: str) -> None:
+        """The lease is gone: stop training within one step, discard everything, send nothing."""
+        if self._mode is _Mode.CANCELLED:
+            return
+        self._request_stop(_Mode.CANCELLED, reason)
+
+    def abort(self, reason: str) -> None:
+        """Stop within one step without a snapshot; the lease stays ours (the agent may still
+        send `Draining` for it)."""
+        if self._mode in (_Mode.CANCELLED, _Mode.ABORTED):
+            return
+        self._request_stop(_Mode.ABORTED, reason)
+
+    def drain(self) -> None:
+        """Stop at the next step boundary with a snapshot; `run()` commits it and returns
+        DRAINED. Before training has started there is nothing to keep: stop at once."""
+        if self._mode is not _Mode.TRAINING:
+            return
+        self._request_stop(_Mode.DRAINING, "drain")
+        if self._thread is None and self._work is not None:
+            self._work.cancel()
+
+    def _request_stop(self, mode: _Mode, reason: str) -> None:
+        self._mode = mode
+        self.stop_requested_at_step = self.progress.latest().step
+        self._log.info(
+            "stopping the lease", mode=mode.value, reason=reason, step=self.stop_requested_at_step
+        )
+        if mode in (_Mode.CANCELLED, _Mode.ABORTED) and self._work is not None:
+            # Interrupts downloads and uploads now; the training thread (if running) is told
+            # through should_stop and waited for by _train.
+            self._work.cancel()
+        if mode is _Mode.CANCELLED:
+            for waiters in self._url_waiters.values():
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_exception(LeaseLost(reason))
+
+    def urls_renewed(self, urls: fpb.JobUrls) -> None:
+        """An UrlsRenewed for this lease: answers to our requests, or a full renewal."""
+        for upload in urls.uploads:
+            for waiter in self._url_waiters.pop(slot_key(upload.slot), []):
+                if not waiter.done():
+                    waiter.set_result(upload)
+        if urls.result_upload.url:
+            # A full renewal (the scheduler's periodic one, or after a resume): every URL the
+            # lease may use, replacing the old set wholesale.
+            self._urls = fpb.JobUrls()
+            self._urls.CopyFrom(urls)
+            self._urls.ClearField("uploads")
+
+    # The lease ----------------------------------------------------------------------------------
+
+    async def run(self) -> LeaseResult:
+        """Runs the lease to its end; never raises for a failure of the job (that is reported
+        with JobFailed), only when the caller cancels this coroutine."""
+        self._loop = asyncio.get_running_loop()
+        context = TraceContextTextMapPropagator().extract({"traceparent": self.grant.traceparent})
+        attributes: dict[str, str | int] = {
+            "lorafleet.job_id": self.job_id,
+            "lorafleet.lease_id": self.ref.lease_id,
+            "lorafleet.epoch": self.ref.epoch,
+            "lorafleet.machine_id": self._config.machine_id,
+        }
+        with (
+            structlog.contextvars.bound_contextvars(
+                job_id=self.job_id, lease_id=self.ref.lease_id, machine_id=self._config.machine_id
+            ),
+            tracer.start_as_current_span(
+                "worker.lease", context=context, attributes=attributes
+            ) as span,
+        ):
+            self._work = asyncio.get_running_loop().create_task(self._run())
+            try:
+                result = await self._work
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the agent itself is being cancelled
+                # cancel(), abort() or an early drain() interrupted the work.
+                drained = self._mode is _Mode.DRAINING
+                result = LeaseResult.DRAINED if drained else LeaseResult.STOPPED
+            finally:
+                await self._close_background()
+            self.result = result
+            span.set_attribute("lorafleet.lease_result", result.value)
+            self._log.info("lease ended", result=result.value, step=self.progress.latest().step)
+            return result
+
+    async def _run(self) -> LeaseResult:
+        try:
+            outcome = await self._prepare_and_train()
+        except LeaseLost:
+            return LeaseResult.STOPPED
+        except Exception as exc:
+            if self._mode in (_Mode.CANCELLED, _Mode.ABORTED):
+                return LeaseResult.STOPPED  # errors of a run being torn down are not the job's
+            return await self._fail(exc)
+        try:
+            if isinstance(outcome, Stopped):
+                return await self._stopped(outcome)
+            return await self._succeed(outcome)
+        except LeaseLost:
+            return LeaseResult.STOPPED
+        except Exception as exc:
+            if self._mode is not _Mode.TRAINING:
+                return LeaseResult.STOPPED
+            # The result could not be stored: the attempt fails (retryable, class internal);
+            # the next one resumes from the newest checkpoint.
+            return await self._fail(exc)
+
+    async def _prepare_and_train(self) -> TrainingOutcome:
+        spec = spec_from_proto(self.grant.spec)
+        training_config = TrainingConfig(
+            spec=spec,
+            model_path=self._config.model_path,
+            vae_path=self._config.vae_path,
+            cache_dir=self._config.model_cache_dir,
+            local_files_only=self._config.local_files_only,
+            device=self._config.device,
+            sample_steps=self._config.sample_steps,
+            sample_batch_size=self._config.sample_batch_size,
+            num_validation_images=self._config.num_validation_images,
+        )
+        instance, class_images = await self._download_inputs(spec.with_prior_preservation)
+        candidates = list(self._urls.checkpoints)
+        while True:
+            resume, candidates = await self._load_resume(candidates)
+            try:
+                return await self._train(training_config, instance, class_images, resume)
+            except CorruptCheckpoint as exc:
+                if resume is None:
+                    raise
+                # The blob verified but does not fit this job (other data or settings).
+                await self._notice(
+                    f"checkpoint at step {resume.step} was skipped: {exc}; trying an older one"
+                )
+
+    async def _download_inputs(
+        self, with_prior_preservation: bool
+    ) -> tuple[list[TrainingImage], list[TrainingImage]]:
+        urls = self._urls
+        with tracer.start_as_current_span("worker.download_inputs") as span:
+            instance_files = await self._transfer.download_many(
+                [(f.name, f.url) for f in urls.instance_files],
+                concurrency=self._config.download_concurrency,
+            )
+            class_files: Mapping[str, bytes] = {}
+            if with_prior_preservation and urls.class_files:
+                class_files = await self._transfer.download_many(
+                    [(f.name, f.url) for f in urls.class_files],
+                    concurrency=self._config.download_concurrency,
+                )
+            span.set_attribute("lorafleet.instance_files", len(instance_files))
+            span.set_attribute("lorafleet.class_files", len(class_files))
+        self._log.info(
+            "inputs downloaded",
+            instance_files=len(instance_files),
+            class_files=len(class_files),
+            bytes=sum(map(len, instance_files.values())) + sum(map(len, class_files.values())),
+        )
+        return images_from_files(instance_files), images_from_files(class_files)
+
+    async def _load_resume(
+        self, candidates: list[fpb.CheckpointDownload]
+    ) -> tuple[TrainingSnapshot | None, list[fpb.CheckpointDownload]]:
+        """The newest checkpoint that downloads and verifies, and the older ones left."""
+        for index, candidate in enumerate(candidates):
+            checkpoint = candidate.checkpoint
+            with tracer.start_as_current_span(
+                "worker.load_checkpoint", attributes={"lorafleet.step": checkpoint.step}
+            ):
+                try:
+                    data = await self._transfer.download(candidate.url)
+                    snapshot = await asyncio.to_thread(_verified_snapshot, data, checkpoint.sha256)
+                except (CorruptCheckpoint, StorageError) as exc:
+                    await self._notice(
+                        f"checkpoint at step {checkpoint.step} ({checkpoint.key}) was skipped:"
+                        f" {exc}"
+                    )
+                    continue
+            if snapshot.step != checkpoint.step:
+                await self._notice(
+                    f"checkpoint {checkpoint.key} holds step {snapshot.step}, not"
+                    f" {checkpoint.step}; skipped"
+                )
+                continue
+            self._log.info("resuming", step=snapshot.step, key=checkpoint.key)
+            self.progress.publish(
+                ProgressReport(step=snapshot.step, loss=float(snapshot.state.get("loss", math.nan)))
+            )
+            return snapshot, candidates[index + 1 :]
+        return None, []
+
+    async def _train(
+        self,
+        training_config: TrainingConfig,
+        instance: list[TrainingImage],
+        class_images: list[TrainingImage],
+        resume: TrainingSnapshot | None,
+    ) -> TrainingOutcome:
+        trainer = self._trainer_factory(training_config)
+        hooks = TrainingHooks(
+            on_progress=self._on_progress,
+            should_stop=self._should_stop,
+            on_checkpoint=self._on_checkpoint,
+            on_class_images=self._on_class_images,
+            on_validation_images=self._on_validation_images,
+        )
+        start = resume.step if resume is not None else 0
+        with tracer.start_as_current_span(
+            "worker.train", attributes={"lorafleet.start_step": start}
+        ):
+            # to_thread copies the context: spans the trainer opens are children of this one.
+            thread = self._thread = asyncio.ensure_future(
+                asyncio.to_thread(
+                    trainer.run,
+                    instance_images=instance,
+                    class_images=class_images,
+                    resume=resume,
+                    hooks=hooks,
+                )
+            )
+            try:
+                return await asyncio.shield(thread)
+            except asyncio.CancelledError:
+                if self._mode in (_Mode.TRAINING, _Mode.DRAINING):
+                    self._mode = _Mode.ABORTED
+                # A thread cannot be interrupted: it sees should_stop() at its next step boundary.
+                # Wait for it, because accelerate keeps process-wide state and two runs must
+                # never overlap in one process.
+                while not thread.done():
+                    try:
+                        await asyncio.wait([thread])
+                    except asyncio.CancelledError:
+                        continue
+                if not thread.cancelled() and thread.exception() is not None:
+                    # A run failing while being stopped is not the job's failure; retrieved
+                    # here so it is logged once, as what it is.
+                    self._log.info(
+                        "training ended with an error while stopping",
+                        error=str(thread.exception())[:500],
+                    )
+                raise
+            finally:
+                self._thread = None
+
+    # Hooks: called on the training thread, each returns at once ------------------------------
+
+    def _on_progress(self, step: int, loss: float, lr: float, seconds_per_step: float) -> None:
+        self.progress.publish(
+            ProgressReport(
+                step=step,
+                loss=loss,
+                learning_rate=lr,
+                seconds_per_step=seconds_per_step,
+                gpu_memory_mb=_gpu_memory_mb(),
+            )
+        )
+
+    def _should_stop(self) -> StopReason | None:
+        mode = self._mode
+        if mode is _Mode.DRAINING:
+            return "drain"
+        if mode in (_Mode.CANCELLED, _Mode.ABORTED):
+            return "cancel"
+        return None
+
+    def _to_loop(self, callback: Callable[..., object], *args: object) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        # RuntimeError: the loop closed in between; the worker is exiting anyway.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(callback, *args)
+
+    def _on_checkpoint(self, snapshot: TrainingSnapshot) -> None:
+        self._to_loop(self._offer_checkpoint, snapshot)
+
+    def _on_class_images(self, batch: list[tuple[int, bytes]]) -> None:
+        self._to_loop(self._store_class_images, batch)
+
+    def _on_validation_images(self, step: int, images: list[bytes]) -> None:
+        self._to_loop(self._store_validation_images, step, images)
+
+    # Uploads (event loop) -------------------------------------------------------------------------
+
+    def _offer_checkpoint(self, snapshot: TrainingSnapshot) -> None:
+        if self._mode is _Mode.TRAINING:
+            self._pipeline.offer(snapshot)
+
+    def _store_class_images(self, batch: list[tuple[int, bytes]]) -> None:
+        slots = [
+            (fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_CLASS_IMAGE, index=index), png)
+            for index, png in batch
+        ]
+        self._class_uploads.append(self._spawn_artifacts(slots, "class images"))
+
+    def _store_validation_images(self, step: int, images: list[bytes]) -> None:
+        slots = [
+            (fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_VALIDATION_IMAGE, step=step, index=i), png)
+            for i, png in enumerate(images)
+        ]
+        self._spawn_artifacts(slots, "validation images")
+
+    def _spawn_artifacts(
+        self, items: list[tuple[fpb.UploadSlot, bytes]], what: str
+    ) -> asyncio.Task[bool]:
+        async def store() -> bool:
+            try:
+                urls = await self._upload_urls([slot for slot, _ in items])
+
+                async def put(url: fpb.UploadUrl, data: bytes) -> None:
+                    async with self._artifact_gate:
+                        await self._transfer.upload(url.url, data)
+
+                await asyncio.gather(
+                    *(put(url, data) for url, (_, data) in zip(urls, items, strict=True))
+                )
+                return True
+            except LeaseLost:
+                return False
+            except Exception:
+                self._log.exception("artifact upload failed", what=what, count=len(items))
+                return False
+
+        task = asyncio.get_running_loop().create_task(store())
+        self._artifact_tasks.add(task)
+        task.add_done_callback(self._artifact_tasks.discard)
+        return task
+
+    async def _class_images_stored(self) -> bool:
+        """Waits for every generated class image so far; a checkpoint is only valid with them
+        (the trainer's fingerprint covers them), so none is committed before they are stored."""
+        if not self._class_uploads:
+            return True
+        results = await asyncio.gather(*self._class_uploads, return_exceptions=True)
+        return all(result is True for result in results)
+
+    async def _upload_checkpoint(self, snapshot: TrainingSnapshot) -> None:
+        """Serialise (off the loop), get the URL, PUT, announce. Raises on failure."""
+        with tracer.start_as_current_span(
+            "worker.checkpoint", attributes={"lorafleet.step": snapshot.step}
+        ) as span:
+            data, sha256 = await asyncio.to_thread(_serialize, snapshot)
+            span.set_attribute("lorafleet.size_bytes", len(data))
+            if not await self._class_images_stored():
+                self._log.warning(
+                    "checkpoint not committed: generated class images could not be stored",
+                    step=snapshot.step,
+                )
+                return
+            slot = fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_CHECKPOINT, step=snapshot.step)
+            (url,) = await self._upload_urls([slot])
+            await self._transfer.upload(url.url, data, sha256=sha256)
+            await self._send(
+                fpb.ConnectRequest(
+                    checkpoint_committed=fpb.CheckpointCommitted(
+                        lease=self.ref,
+                        step=snapshot.step,
+                        key=url.key,
+                        size_bytes=len(data),
+                        sha256=sha256,
+                    )
+                )
+            )
+        self.committed_steps.append(snapshot.step)
+        self._log.info("checkpoint committed", step=snapshot.step, key=url.key, bytes=len(data))
+
+    async def _upload_urls(self, slots: list[fpb.UploadSlot]) -> list[fpb.UploadUrl]:
+        """Asks the scheduler for PUT URLs (UrlsRequested) and waits for its UrlsRenewed.
+
+        An answer lost to a reconnect is asked for again after `url_request_timeout_s`.
+        """
+        loop = asyncio.get_running_loop()
+        keys = [slot_key(slot) for slot in slots]
+        for attempt in range(1, _URL_REQUEST_ATTEMPTS + 1):
+            waiters = {key: loop.create_future() for key in keys}
+            for key, waiter in waiters.items():
+                self._url_waiters.setdefault(key, []).append(waiter)
+            try:
+                await self._send(
+                    fpb.ConnectRequest(
+                        urls_requested=fpb.UrlsRequested(lease=self.ref, slots=slots)
+                    )
+                )
+                async with asyncio.timeout(self._config.url_request_timeout_s):
+                    return [await waiters[key] for key in keys]
+            except TimeoutError:
+                self._log.warning("no answer to UrlsRequested; asking again", attempt=attempt)
+            finally:
+                for key, waiter in waiters.items():
+                    pending = self._url_waiters.get(key, [])
+                    if waiter in pending:
+                        pending.remove(waiter)
+                    if not pending:
+                        self._url_waiters.pop(key, None)
+                    if not waiter.done():
+                        waiter.cancel()
+        raise StorageError("the scheduler did not answer UrlsRequested", retryable=True)
+
+    async def _send(self, message: fpb.ConnectRequest) -> None:
+        if self._mode is _Mode.CANCELLED:
+            raise LeaseLost("the lease was revoked")
+        await self._link.send(message)
+
+    async def _notice(self, message: str) -> None:
+        self._log.warning("notice", message=message)
+        self.notices.append(message)
+        await self._send(fpb.ConnectRequest(notice=fpb.Notice(lease=self.ref, message=message)))
+
+    async def _close_background(self) -> None:
+        await self._pipeline.close()
+        tasks = list(self._artifact_tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # Endings --------------------------------------------------------------------------------------
+
+    async def _stopped(self, outcome: Stopped) -> LeaseResult:
+        if self._mode is not _Mode.DRAINING or outcome.reason != "drain":
+            return LeaseResult.STOPPED
+        # The drain snapshot is newer than anything waiting or uploading: it supersedes them.
+        await self._pipeline.close()
+        # A drain right after a periodic checkpoint snapshots the same step: committed already.
+        if outcome.snapshot is not None and outcome.snapshot.step not in self.committed_steps:
+            try:
+                await self._upload_checkpoint(outcome.snapshot)
+            except LeaseLost:
+                raise
+            except Exception:
+                # The job is re-queued from its last committed checkpoint all the same.
+                self._log.exception("drain checkpoint not stored", step=outcome.snapshot.step)
+        return LeaseResult.DRAINED
+
+    async def _succeed(self, outcome: Finished) -> LeaseResult:
+        await self._pipeline.close()  # the result supersedes any checkpoint still pending
+        # Validation images of the last steps belong to the job: store them before the lease
+        # ends (their URLs need a live lease). Each upload is bounded by the transfer deadline.
+        await asyncio.gather(*list(self._artifact_tasks), return_exceptions=True)
+        data = outcome.lora_weights
+        sha256 = await asyncio.to_thread(_digest, data)
+        target = self._urls.result_upload
+        with tracer.start_as_current_span(
+            "worker.upload_result", attributes={"lorafleet.size_bytes": len(data)}
+        ):
+            await self._transfer.upload(target.url, data, sha256=sha256)
+        message = fpb.ConnectRequest(
+            job_succeeded=fpb.JobSucceeded(
+                lease=self.ref,
+                key=target.key,
+                size_bytes=len(data),
+                sha256=sha256,
+                step=outcome.step,
+                loss=outcome.loss,
+            )
+        )
+        await self._send(message)
+        self.terminal_message = message
+        self._log.info("job succeeded", step=outcome.step, key=target.key, sha256=sha256)
+        return LeaseResult.SUCCEEDED
+
+    async def _fail(self, exc: Exception) -> LeaseResult:
+        failure_class = classify_exception(exc)
+        text = failure_message(exc)
+        self._log.warning(
+            "job attempt failed", failure_class=failure_class, error=text, exc_info=exc
+        )
+        trace.get_current_span().record_exception(exc)
+        message = fpb.ConnectRequest(
+            job_failed=fpb.JobFailed(
+                lease=self.ref, failure_class=_FAILURE_CLASSES[failure_class], message=text
+            )
+        )
+        await self._send(message)
+        self.terminal_message = message
+        return LeaseResult.FAILED
