@@ -1,0 +1,676 @@
+"""The worker agent: one explicit connection state machine around the scheduler stream.
+
+States and transitions (`State`, `TRANSITIONS`; any other transition is a bug and raises)::
+
+    from         on                                        to
+    QUALIFYING   probe done                                CONNECTING
+    CONNECTING   Welcome, no live lease                    IDLE        (then Ready)
+    CONNECTING   Welcome resumed our lease                 LEASED
+    CONNECTING   attempt failed                            CONNECTING  (after backoff)
+    IDLE         LeaseGranted                              LEASED
+    LEASED       lease over: succeeded, failed,            IDLE        (Ready once the training
+                 revoked, rejected                                      thread has stopped)
+    IDLE/LEASED  stream lost                               CONNECTING  (the lease trains on)
+    CONNECTING/  SIGTERM, SIGINT, Shutdown                 DRAINING
+    IDLE/LEASED
+    DRAINING     drained, or the grace period is over      STOPPED
+    any          shutdown(), or a drain while QUALIFYING   STOPPED
+
+* QUALIFYING: the probe (qualify.py) runs once, in a thread; its result goes in every Hello.
+* CONNECTING: opens a stream (a fresh channel per attempt) with `authorization: Bearer`, sends
+  Hello (`held_lease` set while a lease is live) and waits for Welcome. Failed attempts back off
+  exponentially with full jitter, bounded by `reconnect_max_backoff_s`. A lease keeps training
+  meanwhile; only its messages wait.
+* IDLE: says Ready once it is free (a revoked lease's thread has stopped), then waits: work is
+  pushed. Heartbeats with an empty lease keep the machine seen.
+* LEASED: a `LeaseRunner` runs the lease; heartbeats carry its latest progress only. When it ends
+  (success, failure, revocation, rejection) the agent goes back to IDLE and says Ready.
+* DRAINING: stop after the current step, snapshot, upload, CheckpointCommitted, then
+  `Draining(lease)` so the job is re-queued at once; everything within `drain_grace_s`. A
+  stream lost meanwhile is reconnected (the lease is resumed) so the drain can finish.
+* STOPPED: the stream is closed and `run()` returns.
+
+The lease itself (`_runner`) is data next to the state, not a state: it survives CONNECTING and
+DRAINING.
+
+Lifecycle: `async with Agent(config) as agent: await agent.run()`; `drain(reason)` asks for a
+graceful stop (signal handlers call it); `shutdown()` stops at once and is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+import grpc
+import structlog
+
+import lorafleet
+from lorafleet.errors import LorafleetError
+from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
+from lorafleet.worker.config import WorkerConfig
+from lorafleet.worker.lease_runner import (
+    LeaseLost,
+    LeaseResult,
+    LeaseRunner,
+    TrainerFactory,
+)
+from lorafleet.worker.qualify import QualificationResult, probe
+from lorafleet.worker.transfer import TransferClient
+
+log = structlog.get_logger(__name__)
+
+# gRPC codes after which trying again with the same configuration cannot help.
+_FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+# Reserve of the drain grace kept for saying Draining after the checkpoint phase.
+_DRAIN_REPLY_RESERVE_S = 5.0
+
+
+class State(enum.Enum):
+    QUALIFYING = "qualifying"
+    CONNECTING = "connecting"
+    IDLE = "idle"
+    LEASED = "leased"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.QUALIFYING: frozenset({State.CONNECTING, State.STOPPED}),
+    State.CONNECTING: frozenset({State.IDLE, State.LEASED, State.DRAINING, State.STOPPED}),
+    State.IDLE: frozenset({State.LEASED, State.CONNECTING, State.DRAINING, State.STOPPED}),
+    State.LEASED: frozenset({State.IDLE, State.CONNECTING, State.DRAINING, State.STOPPED}),
+    State.DRAINING: frozenset({State.STOPPED}),
+    State.STOPPED: frozenset(),
+}
+
+
+class AgentError(LorafleetError):
+    """The worker cannot run with this configuration (e.g. the scheduler refuses its token)."""
+
+
+class _StreamFailed(Exception):
+    """A connection attempt or an open stream failed; the agent reconnects."""
+
+
+def backoff_delay(attempt: int, *, initial_s: float, max_s: float, rng: random.Random) -> float:
+    """Full jitter: uniform in [0, min(max_s, initial_s * 2**attempt)]."""
+    return rng.uniform(0.0, min(max_s, initial_s * 2.0 ** min(attempt, 30)))
+
+
+def same_lease(a: fpb.LeaseRef, lease_id: str, epoch: int) -> bool:
+    return bool(a.lease_id) and a.lease_id == lease_id and a.epoch == epoch
+
+
+class _Session:
+    """One Connect stream. Writes go through one writer task in order; `send` never blocks."""
+
+    def __init__(self, channel: grpc.aio.Channel, call: grpc.aio.StreamStreamCall) -> None:
+        self.channel = channel
+        self.call = call
+        self._outbox: asyncio.Queue[fpb.ConnectRequest | None] = asyncio.Queue()
+        self.writable = True
+        # Set when the read side ended (EOF after our half-close, or an error).
+        self.closed = asyncio.Event()
+        self.heartbeat_interval_s = 10.0
+        self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+
+    def send(self, message: fpb.ConnectRequest) -> None:
+        if self.writable:
+            self._outbox.put_nowait(message)
+
+    def finish_writing(self) -> None:
+        """Half-close after what is queued: the scheduler handles it all, then ends the stream."""
+        if self.writable:
+            self.writable = False
+            self._outbox.put_nowait(None)
+
+    async def _write_loop(self) -> None:
+        try:
+            while (message := await self._outbox.get()) is not None:
+                await self.call.write(message)
+            await self.call.done_writing()
+        except Exception as exc:
+            # The call failed or was cancelled; the read side sees it and ends the session.
+            log.info("stream write failed", error=f"{type(exc).__name__}: {exc}"[:200])
+        finally:
+            self.writable = False
+
+    async def close(self) -> None:
+        """Cancels the call and closes the channel; idempotent."""
+        self.writable = False
+        self.call.cancel()
+        self._writer.cancel()
+        await asyncio.gather(self._writer, return_exceptions=True)
+        await self.channel.close()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Terminal:
+    """JobSucceeded/JobFailed sent on a stream that may have broken before the scheduler read
+    it: checked (Hello.held_lease) and re-sent on the next connection."""
+
+    ref: fpb.LeaseRef
+    message: fpb.ConnectRequest
+
+
+class _Link:
+    """The `LeaseLink` one runner uses: sends through whatever stream is current."""
+
+    def __init__(self, agent: Agent, runner_ref: fpb.LeaseRef) -> None:
+        self._agent = agent
+        self._ref = runner_ref
+
+    async def send(self, message: fpb.ConnectRequest) -> None:
+        await self._agent._send_for_lease(self._ref, message)
+
+
+class Agent:
+    """The worker process's one long-lived component; see the module docstring."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        trainer_factory: TrainerFactory | None = None,
+        qualification: QualificationResult | None = None,
+        on_state_change: Callable[[State], None] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        """`trainer_factory` replaces `Trainer` (tests observe runs through it);
+        `qualification` skips the probe; `on_state_change` sees every new state (metrics)."""
+        self.config = config
+        self._on_state_change = on_state_change
+        self._trainer_factory = trainer_factory
+        self.qualification = qualification
+        self._rng = rng or random.Random()
+        self._state = State.QUALIFYING
+        self._changed = asyncio.Event()
+        self._session: _Session | None = None
+        self._runner: LeaseRunner | None = None
+        self._runner_task: asyncio.Task[LeaseResult] | None = None
+        self._terminal: _Terminal | None = None
+        self._transfer = TransferClient(config.transfer)
+        self._finished = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._drain_task: asyncio.Task[None] | None = None
+        self._running = False
+        self._shutdown_started = False
+        self._log = log.bind(machine_id=config.machine_id)
+        # The last few leases' runners, newest last: what they committed, noticed, ended with.
+        self.recent_leases: collections.deque[LeaseRunner] = collections.deque(maxlen=8)
+
+    # Lifecycle --------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self._transfer.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown()
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def busy(self) -> bool:
+        """True while a lease's work (its coroutine, maybe its training thread) is running."""
+        return self._runner is not None
+
+    @property
+    def runner(self) -> LeaseRunner | None:
+        """The current lease's runner, if any (for observation)."""
+        return self._runner
+
+    async def wait_until(self, predicate: Callable[[Agent], bool]) -> None:
+        """Returns once `predicate(self)` holds; re-checked at every state or lease change.
+        Callers bound it with a timeout."""
+        while not predicate(self):
+            await self._changed.wait()
+
+    async def wait_for_state(self, *states: State) -> State:
+        """Returns once the agent is in one of `states`."""
+        await self.wait_until(lambda agent: agent.state in states)
+        return self._state
+
+    async def run(self) -> None:
+        """Qualifies, then connects and serves until drained or shut down.
+
+        Raises `AgentError` when the scheduler refuses this worker's credentials.
+        """
+        if self._running:
+            raise RuntimeError("Agent.run() is already running")
+        self._running = True
+        await self._transfer.start()
+        try:
+            if self.qualification is None:
+                self.qualification = await asyncio.to_thread(probe, self.config)
+            if self._finished.is_set():
+                return
+            self._set_state(State.CONNECTING)
+            await self._connection_loop()
+        finally:
+            await self._teardown()
+
+    def drain(self, reason: str) -> None:
+        """Graceful stop: finish the step, checkpoint, tell the scheduler, exit. Idempotent."""
+        if self._drain_task is not None or self._finished.is_set():
+            return
+        if self._state in (State.QUALIFYING, State.STOPPED):
+            self._finished.set()
+            return
+        self._log.info("draining", reason=reason)
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain(reason))
+
+    async def shutdown(self) -> None:
+        """Stops now (no checkpoint, no Draining) and waits for `run()` to return. Idempotent."""
+        if not self._shutdown_started:
+            self._shutdown_started = True
+            self._finished.set()
+            if self._runner is not None:
+                self._runner.abort("worker shutting down")
+        if self._running:
+            await self._stopped.wait()
+        await self._transfer.close()
+
+    async def _teardown(self) -> None:
+        self._finished.set()
+        drain = self._drain_task
+        if drain is not None and not drain.done():
+            drain.cancel()
+            await asyncio.gather(drain, return_exceptions=True)
+        task = self._runner_task
+        if task is not None and not task.done():
+            if self._runner is not None:
+                self._runner.abort("worker stopping")
+            # The runner waits for its thread to see the stop: one training step, unless the
+            # thread is still loading a model. Past the grace period it is left behind (the
+            # `busy` property says so, and main() exits without waiting for it).
+            done, _ = await asyncio.wait([task], timeout=self.config.drain_grace_s)
+            if not done:
+                self._log.warning("the training thread did not stop in time")
+        session = self._session
+        if session is not None:
+            await session.close()
+            self._session = None
+        if self._state is not State.STOPPED:
+            self._set_state(State.STOPPED)
+        self._running = False
+        self._stopped.set()
+        self._log.info("worker stopped")
+
+    # State ------------------------------------------------------------------------------------
+
+    def _set_state(self, new: State) -> None:
+        old = self._state
+        if new is old:
+            return
+        if new not in TRANSITIONS[old]:
+            raise RuntimeError(f"illegal worker state transition {old.value} -> {new.value}")
+        self._state = new
+        runner = self._runner
+        self._log.info(
+            "worker state",
+            state=new.value,
+            previous=old.value,
+            job_id=runner.job_id if runner else None,
+        )
+        if self._on_state_change is not None:
+            self._on_state_change(new)
+        self._notify()
+
+    def _notify(self) -> None:
+        # Wakes every waiter once: each captured the event before waiting on it.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_changed(self) -> None:
+        await self._changed.wait()
+
+    # Connecting -------------------------------------------------------------------------------
+
+    async def _connection_loop(self) -> None:
+        attempt = 0
+        while not self._finished.is_set():
+            try:
+                session = await self._open_session()
+            except _StreamFailed as exc:
+                delay = backoff_delay(
+                    attempt,
+                    initial_s=self.config.reconnect_initial_backoff_s,
+                    max_s=self.config.reconnect_max_backoff_s,
+                    rng=self._rng,
+                )
+                attempt += 1
+                self._log.warning(
+                    "connection attempt failed",
+                    error=str(exc),
+                    attempt=attempt,
+                    retry_in_s=round(delay, 3),
+                )
+                finished = asyncio.ensure_future(self._finished.wait())
+                try:
+                    await asyncio.wait([finished], timeout=delay)
+                finally:
+                    finished.cancel()
+                continue
+            attempt = 0
+            await self._serve(session)
+            if not self._finished.is_set() and self._state in (State.IDLE, State.LEASED):
+                self._set_state(State.CONNECTING)
+
+    def _channel(self) -> grpc.aio.Channel:
+        options = [
+            # Detects a dead path within ~40 s even when no heartbeat is due.
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+        address = self.config.scheduler_address
+        if self.config.tls:
+            ca = self.config.tls_ca_file.read_bytes() if self.config.tls_ca_file else None
+            credentials = grpc.ssl_channel_credentials(root_certificates=ca)
+            return grpc.aio.secure_channel(address, credentials, options=options)
+        return grpc.aio.insecure_channel(address, options=options)
+
+    def _hello(self) -> fpb.Hello:
+        qualification = self.qualification
+        assert qualification is not None
+        hello = fpb.Hello(
+            machine_id=self.config.machine_id,
+            provider_instance_id=self.config.provider_instance_id,
+            gpu_model=qualification.gpu_model,
+            vram_mb=qualification.vram_mb,
+            qualification=qualification.to_proto(),
+            version=lorafleet.__version__,
+        )
+        runner = self._runner
+        if runner is not None and runner.holds_lease:
+            hello.held_lease.CopyFrom(runner.ref)
+        elif self._terminal is not None:
+            hello.held_lease.CopyFrom(self._terminal.ref)
+        return hello
+
+    async def _open_session(self) -> _Session:
+        """A stream that has been welcomed, or `_StreamFailed`."""
+        # A fresh channel per attempt: no hidden channel-level backoff, DNS resolved anew.
+        channel = self._channel()
+        call = fgrpc.WorkerServiceStub(channel).Connect(
+            metadata=(("authorization", f"Bearer {self.config.worker_token}"),)
+        )
+        session = _Session(channel, call)
+        session.send(fpb.ConnectRequest(hello=self._hello()))
+        try:
+            async with asyncio.timeout(self.config.welcome_timeout_s):
+                first = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            await session.close()
+            if exc.code() in _FATAL_CODES:
+                raise AgentError(f"the scheduler refused this worker: {exc.details()}") from exc
+            raise _StreamFailed(f"{exc.code().name}: {exc.details()}") from exc
+        except TimeoutError as exc:
+            await session.close()
+            raise _StreamFailed("no Welcome in time") from exc
+        except BaseException:
+            await session.close()
+            raise
+        if first is grpc.aio.EOF or first.WhichOneof("message") != "welcome":
+            await session.close()
+            raise _StreamFailed("the stream did not start with Welcome")
+        session.heartbeat_interval_s = (
+            first.welcome.heartbeat_interval_s or self.config.default_heartbeat_interval_s
+        )
+        self._session = session
+        self._on_welcome(session, first.welcome)
+        return session
+
+    # Serving one stream -----------------------------------------------------------------------
+
+    async def _serve(self, session: _Session) -> None:
+        """Reads until the stream ends or the agent finishes; heartbeats meanwhile."""
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(self._read_loop(session))
+        heartbeat = loop.create_task(self._heartbeat_loop(session))
+        finished = loop.create_task(self._finished.wait())
+        try:
+            await asyncio.wait([reader, finished], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (heartbeat, finished, reader):
+                task.cancel()
+            await asyncio.gather(heartbeat, finished, reader, return_exceptions=True)
+            await session.close()
+            if self._session is session:
+                self._session = None
+            self._notify()
+
+    async def _read_loop(self, session: _Session) -> None:
+        try:
+            while True:
+                message = await session.call.read()
+                if message is grpc.aio.EOF:
+                    self._log.info("stream ended by the scheduler")
+                    return
+                self._dispatch(session, message)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.CANCELLED:
+                self._log.warning("stream lost", code=exc.code().name, details=exc.details())
+        finally:
+            session.closed.set()
+
+    async def _heartbeat_loop(self, session: _Session) -> None:
+        while True:
+            await asyncio.sleep(session.heartbeat_interval_s)
+            session.send(fpb.ConnectRequest(heartbeat=self._heartbeat()))
+
+    def _heartbeat(self) -> fpb.Heartbeat:
+        runner = self._runner
+        if runner is None or not runner.holds_lease:
+            return fpb.Heartbeat()  # idle: keeps the machine seen
+        progress = runner.progress.latest()
+        return fpb.Heartbeat(
+            lease=runner.ref,
+            step=progress.step,
+            loss=progress.loss,
+            learning_rate=progress.learning_rate,
+            seconds_per_step=progress.seconds_per_step,
+            gpu_memory_mb=progress.gpu_memory_mb,
+        )
+
+    # Messages from the scheduler --------------------------------------------------------------
+
+    def _dispatch(self, session: _Session, message: fpb.ConnectResponse) -> None:
+        kind = message.WhichOneof("message")
+        if kind == "lease_granted":
+            self._on_grant(session, message.lease_granted)
+        elif kind == "lease_revoked":
+            revoked = message.lease_revoked
+            reason = fpb.RevokeReason.Name(revoked.reason)
+            self._lease_gone(revoked.lease, f"revoked: {reason}")
+        elif kind == "rejected":
+            self._lease_gone(message.rejected.lease, f"rejected: {message.rejected.reason}")
+        elif kind == "urls_renewed":
+            runner = self._runner
+            ref = message.urls_renewed.lease
+            if runner is not None and same_lease(ref, runner.ref.lease_id, runner.ref.epoch):
+                runner.urls_renewed(message.urls_renewed.urls)
+        elif kind == "shutdown":
+            self.drain(f"scheduler shutdown: {message.shutdown.reason}")
+        else:
+            self._log.warning("unexpected message from the scheduler", kind=kind)
+
+    def _on_welcome(self, session: _Session, welcome: fpb.Welcome) -> None:
+        resumed = welcome.resumed_lease
+        runner = self._runner
+        terminal, self._terminal = self._terminal, None
+        self._log.info(
+            "connected",
+            scheduler_id=welcome.scheduler_id,
+            heartbeat_interval_s=session.heartbeat_interval_s,
+            resumed_lease=resumed.lease_id or None,
+        )
+        if runner is not None and runner.holds_lease:
+            if same_lease(runner.ref, resumed.lease_id, resumed.epoch):
+                if self._state is not State.DRAINING:
+                    self._set_state(State.LEASED)
+                return
+            # The lease expired (or was re-granted) while we were away: drop the work.
+            runner.cancel("the lease was not resumed after reconnecting")
+        elif terminal is not None and same_lease(terminal.ref, resumed.lease_id, resumed.epoch):
+            # The job is still RUNNING under our lease: the result never arrived. Say it again.
+            self._log.info("re-sending the lease's final message after reconnecting")
+            session.send(terminal.message)
+        if self._state is not State.DRAINING:
+            self._enter_idle()
+
+    def _on_grant(self, session: _Session, grant: fpb.LeaseGranted) -> None:
+        ref = fpb.LeaseRef(lease_id=grant.lease.lease_id, epoch=grant.lease.epoch)
+        if self._state is State.DRAINING:
+            # Granted before our Draining arrived: hand it back so it is re-queued at once.
+            session.send(
+                fpb.ConnectRequest(draining=fpb.Draining(lease=ref, reason="worker is draining"))
+            )
+            return
+        if self._state is not State.IDLE or self._runner is not None:
+            self._log.error("lease granted while busy; it will expire", job_id=grant.lease.job_id)
+            return
+        self._terminal = None
+        runner = LeaseRunner(
+            grant=grant,
+            link=_Link(self, ref),
+            transfer=self._transfer,
+            config=self.config,
+            **({"trainer_factory": self._trainer_factory} if self._trainer_factory else {}),
+        )
+        self._runner = runner
+        self.recent_leases.append(runner)
+        self._set_state(State.LEASED)
+        self._runner_task = asyncio.get_running_loop().create_task(self._run_lease(runner))
+
+    def _lease_gone(self, ref: fpb.LeaseRef, reason: str) -> None:
+        """LeaseRevoked or Rejected: stop acting on that lease at once."""
+        runner = self._runner
+        if runner is not None and same_lease(ref, runner.ref.lease_id, runner.ref.epoch):
+            runner.cancel(reason)
+            if self._state is State.LEASED:
+                self._enter_idle()  # Ready follows once the training thread has stopped
+        elif self._terminal is not None and same_lease(
+            ref, self._terminal.ref.lease_id, self._terminal.ref.epoch
+        ):
+            self._terminal = None
+        else:
+            self._log.info("message about another lease ignored", lease_id=ref.lease_id, why=reason)
+
+    def _enter_idle(self) -> None:
+        self._set_state(State.IDLE)
+        self._ready_if_free()
+
+    def _ready_if_free(self) -> None:
+        session = self._session
+        qualified = self.qualification is not None and self.qualification.passed
+        if self._state is State.IDLE and self._runner is None and session is not None:
+            if qualified:
+                session.send(fpb.ConnectRequest(ready=fpb.Ready()))
+            else:
+                self._log.warning(
+                    "not qualified: staying connected without work",
+                    detail=self.qualification.detail if self.qualification else "",
+                )
+
+    async def _run_lease(self, runner: LeaseRunner) -> LeaseResult:
+        try:
+            return await runner.run()
+        finally:
+            if self._runner is runner:
+                self._runner = None
+            if runner.terminal_message is not None:
+                self._terminal = _Terminal(ref=runner.ref, message=runner.terminal_message)
+            if self._state is State.LEASED:
+                self._set_state(State.IDLE)
+            self._notify()
+            self._ready_if_free()
+
+    async def _send_for_lease(self, ref: fpb.LeaseRef, message: fpb.ConnectRequest) -> None:
+        """`LeaseLink.send`: queue on the current stream once it serves this lease."""
+        while True:
+            runner = self._runner
+            if (
+                runner is None
+                or not same_lease(ref, runner.ref.lease_id, runner.ref.epoch)
+                or not runner.holds_lease
+            ):
+                raise LeaseLost("the lease is no longer this worker's")
+            session = self._session
+            serving = self._state in (State.LEASED, State.DRAINING)
+            if session is not None and session.writable and serving:
+                session.send(message)
+                return
+            await self._wait_changed()
+
+    # Draining ---------------------------------------------------------------------------------
+
+    async def _drain(self, reason: str) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_grace_s
+        self._set_state(State.DRAINING)
+        runner, task = self._runner, self._runner_task
+        try:
+            if runner is not None and task is not None:
+                runner.drain()
+                reserve = min(_DRAIN_REPLY_RESERVE_S, self.config.drain_grace_s / 5)
+                try:
+                    async with asyncio.timeout_at(deadline - reserve):
+                        await asyncio.shield(task)
+                except TimeoutError:
+                    self._log.warning("drain checkpoint not done within the grace period")
+                    runner.abort("drain grace period over")
+            async with asyncio.timeout_at(deadline):
+                await self._say_draining(runner, reason)
+        except TimeoutError:
+            self._log.warning("could not tell the scheduler about the drain in time")
+        finally:
+            self._finished.set()
+
+    async def _say_draining(self, runner: LeaseRunner | None, reason: str) -> None:
+        """Sends Draining (with the lease when we still hold it) and waits until the scheduler
+        has read everything (it ends the stream after our half-close)."""
+        held = runner is not None and runner.holds_lease
+        while True:
+            session = self._session
+            if session is not None and session.writable:
+                break
+            if not held:
+                return  # no lease and no stream: nothing to tell
+            await self._wait_changed()
+        drained = fpb.Draining(reason=reason[:500])
+        if held and runner is not None:
+            drained.lease.CopyFrom(runner.ref)
+        session.send(fpb.ConnectRequest(draining=drained))
+        session.finish_writing()
+        await session.closed.wait()
+        self._log.info("drained", lease_id=drained.lease.lease_id or None)
+
+    # Helpers for observers ------------------------------------------------------------------
+
+    def describe(self) -> dict[str, object]:
+        """A snapshot of the agent for logs and debugging."""
+        runner = self._runner
+        return {
+            "state": self._state.value,
+            "machine_id": self.config.machine_id,
+            "job_id": runner.job_id if runner else None,
+            "step": runner.progress.latest().step if runner else None,
+        }
