@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.cli.jobs import add_job_commands, run_job_command
+from lorafleet.cli.local import add_local_commands, run_demo, run_up
 from lorafleet.errors import LorafleetError
 
 JOB_COMMANDS = (
@@ -148,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     _scheduler_parser(sub)
     _keys_parser(sub)
     add_job_commands(sub)
+    add_local_commands(sub)
     sub.add_parser("worker", help="run a worker (see `lorafleet worker --help`)", add_help=False)
     return parser
 
@@ -156,9 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from lorafleet.telemetry import configure_logging
 
-    if argv[:1] and argv[0] in ("scheduler", "keys", "worker"):
+    if argv[:1] and argv[0] in ("scheduler", "keys", "worker", "up"):
         # Services log JSON lines; user commands print only their own output.
         configure_logging()
+    elif argv[:1] == ["demo"]:
+        # The demo shows a progress bar; its embedded fleet speaks up only about problems.
+        configure_logging(level=os.environ.get("LORAFLEET_LOG_LEVEL", "WARNING"), fmt="console")
     if argv[:1] == ["worker"]:
         from lorafleet.worker.main import main as worker_main
 
@@ -171,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name in JOB_COMMANDS:
         runners[name] = run_job_command
+    runners["up"] = run_up
+    runners["demo"] = run_demo
     try:
         with contextlib.suppress(KeyboardInterrupt):
             return asyncio.run(runners[args.command](args))
