@@ -507,6 +507,7 @@ class Agent:
             ref = message.urls_renewed.lease
             if runner is not None and same_lease(ref, runner.ref.lease_id, runner.ref.epoch):
                 runner.urls_renewed(message.urls_renewed.urls)
+                self._notify()
         elif kind == "shutdown":
             self.drain(f"scheduler shutdown: {message.shutdown.reason}")
         else:

@@ -207,8 +207,10 @@ class CheckpointPipeline:
                 except LeaseLost:
                     self._closed = True
                     return
-                except Exception:
+                except StorageError as exc:
                     # One lost checkpoint costs one interval of work; the next one may succeed.
+                    log.warning("checkpoint upload failed", step=snapshot.step, error=str(exc))
+                except Exception:
                     log.exception("checkpoint upload failed", step=snapshot.step)
 
     async def close(self) -> None:
@@ -307,6 +309,8 @@ class LeaseRunner:
         self.committed_steps: list[int] = []
         # Notices sent about this lease (e.g. a corrupt checkpoint skipped on resume).
         self.notices: list[str] = []
+        # Full URL renewals received (the scheduler's periodic ones, or after a resume).
+        self.url_renewals = 0
         self.result: LeaseResult | None = None
         self.stop_requested_at_step: int | None = None
         self._log = log.bind(
@@ -368,6 +372,7 @@ class LeaseRunner:
                 if not waiter.done():
                     waiter.set_result(upload)
         if urls.result_upload.url:
+            self.url_renewals += 1
             # A full renewal (the scheduler's periodic one, or after a resume): every URL the
             # lease may use, replacing the old set wholesale.
             self._urls = fpb.JobUrls()

@@ -145,14 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(level=args.log_level, fmt=args.log_format)
-    configure_tracing("lorafleet-worker")
     try:
         config = config_from_args(args, os.environ)
     except ValueError as exc:
         parser.print_usage(sys.stderr)
         print(f"lorafleet worker: error: {exc}", file=sys.stderr)
         return 2
+    # Process-wide setup, only once the configuration is known to be good.
+    configure_logging(level=args.log_level, fmt=args.log_format)
+    configure_tracing("lorafleet-worker")
     if args.probe_only:
         result = probe(config)
         print(json.dumps(asdict(result), default=dict, indent=2))
