@@ -1,0 +1,470 @@
+"""The agent in-process against a real scheduler: the lease lifecycle and its interruptions.
+
+The scheduler, its Postgres ledger and its object store are real; so is the trainer (the tiny
+model on the CPU). Where a test must observe or hold the training thread, it wraps the real
+`Trainer` (never replaces the scheduler). Every wait is on a pushed signal (WatchJob events, the
+agent's state) and bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+import pytest
+import safetensors.torch
+
+from lorafleet.jobs.v1 import jobs_pb2 as pb
+from lorafleet.model import upload_key
+from lorafleet.scheduler.fleet import SessionState
+from lorafleet.worker.agent import Agent, State
+from lorafleet.worker.qualify import QualificationResult
+from lorafleet.worker.training import (
+    Finished,
+    Stopped,
+    Trainer,
+    TrainingConfig,
+    TrainingHooks,
+    TrainingImage,
+    TrainingOutcome,
+    TrainingSnapshot,
+    images_from_files,
+)
+from tests.agent.conftest import NUM_IMAGES, OWNER, Fleet, running
+from tests.agent.support import WAIT_S, kinds, png
+
+KIND = pb.JobEventKind
+
+
+@dataclass
+class ObservedTrainer:
+    """The real Trainer with its hooks observed; optionally holds the thread after `hold_at`."""
+
+    trainer: Trainer
+    hold_at: int | None = None
+    steps: list[int] = field(default_factory=list)
+    stop_answers: list[str] = field(default_factory=list)
+    outcome: TrainingOutcome | None = None
+    reached: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def run(
+        self,
+        *,
+        instance_images: Sequence[TrainingImage],
+        class_images: Sequence[TrainingImage] = (),
+        resume: TrainingSnapshot | None = None,
+        hooks: TrainingHooks | None = None,
+    ) -> TrainingOutcome:
+        assert hooks is not None and hooks.on_progress and hooks.should_stop
+        on_progress, should_stop = hooks.on_progress, hooks.should_stop
+
+        def progress(step: int, loss: float, lr: float, sps: float) -> None:
+            self.steps.append(step)
+            on_progress(step, loss, lr, sps)
+            if step == self.hold_at:
+                self.reached.set()
+                assert self.release.wait(WAIT_S), "the test never released the training thread"
+
+        def stop() -> Any:
+            answer = should_stop()
+            if answer is not None:
+                self.stop_answers.append(answer)
+            return answer
+
+        observed = TrainingHooks(
+            on_progress=progress,
+            should_stop=stop,
+            on_checkpoint=hooks.on_checkpoint,
+            on_class_images=hooks.on_class_images,
+            on_validation_images=hooks.on_validation_images,
+        )
+        try:
+            self.outcome = self.trainer.run(
+                instance_images=instance_images,
+                class_images=class_images,
+                resume=resume,
+                hooks=observed,
+            )
+            return self.outcome
+        finally:
+            self.done.set()
+
+
+@dataclass
+class Observer:
+    """A trainer factory recording every run it makes."""
+
+    hold_at: int | None = None
+    runs: list[ObservedTrainer] = field(default_factory=list)
+    _made: threading.Condition = field(default_factory=threading.Condition)
+
+    def __call__(self, config: TrainingConfig) -> ObservedTrainer:
+        run = ObservedTrainer(Trainer(config), hold_at=self.hold_at)
+        with self._made:
+            self.runs.append(run)
+            self._made.notify_all()
+        return run
+
+    async def run(self, index: int) -> ObservedTrainer:
+        """The `index`-th run, once the agent has made it."""
+
+        def wait() -> bool:
+            with self._made:
+                return self._made.wait_for(lambda: len(self.runs) > index, WAIT_S)
+
+        assert await asyncio.to_thread(wait), f"no training run #{index}"
+        return self.runs[index]
+
+
+def reference_lora(fleet: Fleet, spec: Any) -> bytes:
+    """The uninterrupted run of `spec` on the test images, in this process."""
+    files = {f"{i}.png": png(i) for i in range(NUM_IMAGES)}
+    config = TrainingConfig(
+        spec=spec, model_path=str(fleet.tiny_model), local_files_only=True, device="cpu"
+    )
+    outcome = Trainer(config).run(instance_images=images_from_files(files))
+    assert isinstance(outcome, Finished)
+    return outcome.lora_weights
+
+
+async def test_connect_qualify_lease_succeed_ready_again(fleet: Fleet) -> None:
+    states: list[State] = []
+    agent = Agent(fleet.worker_config("m1"), on_state_change=states.append)
+    async with running(agent):
+        async with asyncio.timeout(WAIT_S):
+            await agent.wait_for_state(State.IDLE)
+        assert agent.qualification is not None and agent.qualification.passed
+        job = await fleet.client.submit(max_train_steps=4, checkpointing_steps=2)
+        done = await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED)
+        async with asyncio.timeout(WAIT_S):
+            await agent.wait_for_state(State.IDLE)
+
+        # The result object exists and its digest is the ledger's.
+        data = await fleet.scheduler.storage.get_bytes(done.result.key)
+        assert hashlib.sha256(data).hexdigest() == done.result.sha256
+        assert len(data) == done.result.size_bytes
+        assert done.result.key.endswith("/result/e1/pytorch_lora_weights.safetensors")
+        assert any(key.startswith("unet.") for key in safetensors.torch.load(data))
+
+        events = await fleet.client.events(job.job_id)
+        timeline = kinds(events)
+        assert timeline[:2] == ["SUBMITTED", "LEASE_GRANTED"]
+        assert "SUCCEEDED" in timeline
+        commits = [e for e in events if e.kind == KIND.JOB_EVENT_KIND_CHECKPOINT_COMMITTED]
+        assert [(c.step, c.epoch) for c in commits] == [(2, 1)]
+        beats = [e for e in events if e.kind == KIND.JOB_EVENT_KIND_HEARTBEAT]
+        assert beats and all(b.machine_id == "m1" and b.epoch == 1 for b in beats)
+        assert done.progress.step == 4
+
+        # Ready again: the next job is pushed to the same worker.
+        second = await fleet.client.submit(max_train_steps=1000, checkpointing_steps=1000)
+        granted = await fleet.client.wait_event(second.job_id, KIND.JOB_EVENT_KIND_LEASE_GRANTED)
+        assert granted.machine_id == "m1"
+        await fleet.client.cancel(second.job_id)
+        await fleet.client.wait_state(second.job_id, pb.JOB_STATE_CANCELED)
+        async with asyncio.timeout(WAIT_S):
+            await agent.wait_until(lambda a: a.state is State.IDLE and not a.busy)
+    assert states[:4] == [State.CONNECTING, State.IDLE, State.LEASED, State.IDLE]
+    assert states[-1] is State.STOPPED
+
+    # The probe's measurements reached the ledger.
+    conn = await asyncpg.connect(fleet.scheduler.database_url)
+    try:
+        row = await conn.fetchrow(
+            "SELECT qualified, gpu_model, qualification FROM machines WHERE machine_id = 'm1'"
+        )
+    finally:
+        await conn.close()
+    assert row is not None and row["qualified"] is True and row["gpu_model"] == "cpu"
+    assert '"torch"' in row["qualification"]
+
+
+async def test_cancel_stops_training_within_one_step(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    observer = Observer(hold_at=2)
+    agent = Agent(
+        fleet.worker_config("m1"), trainer_factory=observer, qualification=cpu_qualification
+    )
+    async with running(agent):
+        job = await fleet.client.submit(max_train_steps=1000, checkpointing_steps=1000)
+        run = await observer.run(0)
+        assert await asyncio.to_thread(run.reached.wait, WAIT_S)
+        # The training thread is inside step 2's progress hook: cancel now.
+        await fleet.client.cancel(job.job_id)
+        async with asyncio.timeout(WAIT_S):
+            await agent.wait_for_state(State.IDLE)  # the revocation arrived
+        run.release.set()
+        assert await asyncio.to_thread(run.done.wait, WAIT_S)
+        # Not one more step after the worker learned of the cancel.
+        assert run.steps[-1] == 2
+        assert isinstance(run.outcome, Stopped) and run.outcome.reason == "cancel"
+        assert run.stop_answers == ["cancel"]
+        # Ready followed: the next job goes to this worker.
+        observer.hold_at = None
+        second = await fleet.client.submit(max_train_steps=2, checkpointing_steps=1000)
+        finished = await fleet.client.wait_state(second.job_id, pb.JOB_STATE_SUCCEEDED)
+        assert finished.result.sha256
+    job_now = await fleet.client.get(job.job_id)
+    assert job_now.state == pb.JOB_STATE_CANCELED
+    events = await fleet.client.events(job.job_id)
+    assert "CHECKPOINT_COMMITTED" not in kinds(events)
+
+
+async def test_superseded_lease_stops_then_the_regrant_resumes(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    observer = Observer(hold_at=3)
+    agent = Agent(
+        fleet.worker_config("m1"), trainer_factory=observer, qualification=cpu_qualification
+    )
+    async with running(agent):
+        job = await fleet.client.submit(max_train_steps=6, checkpointing_steps=2)
+        commit = await fleet.client.wait_event(
+            job.job_id, KIND.JOB_EVENT_KIND_CHECKPOINT_COMMITTED, lambda e: e.step == 2
+        )
+        first = await observer.run(0)
+        observer.hold_at = None  # the re-grant's run goes through
+        assert await asyncio.to_thread(first.reached.wait, WAIT_S)
+        # The lease ends behind this worker's back (as when another replica re-queues it).
+        drained = await fleet.scheduler.ledger.drain_lease(commit.lease_id, 1, "test: superseded")
+        assert drained is not None
+        async with asyncio.timeout(WAIT_S):
+            await agent.wait_for_state(State.IDLE)  # LeaseRevoked (or Rejected) arrived
+        first.release.set()
+        done = await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED)
+    assert first.steps[-1] == 3 and isinstance(first.outcome, Stopped)
+    second = observer.runs[1]
+    # The re-grant resumed from the committed checkpoint, not from scratch.
+    assert second.steps[0] == 3 and second.steps[-1] == 6
+    assert done.epoch == 2 and done.result.key.endswith(
+        "/result/e2/pytorch_lora_weights.safetensors"
+    )
+    events = await fleet.client.events(job.job_id)
+    drained_at = next(e.event_id for e in events if e.kind == KIND.JOB_EVENT_KIND_DRAINED)
+    late = [
+        e
+        for e in events
+        if e.event_id > drained_at
+        and e.lease_id == commit.lease_id
+        and e.kind in (KIND.JOB_EVENT_KIND_HEARTBEAT, KIND.JOB_EVENT_KIND_CHECKPOINT_COMMITTED)
+    ]
+    assert late == [], f"epoch-1 messages after the lease ended: {kinds(late)}"
+    spec = (await fleet.scheduler.ledger.get_job_any_owner(job.job_id)).spec  # type: ignore[union-attr]
+    data = await fleet.scheduler.storage.get_bytes(done.result.key)
+    reference = await asyncio.to_thread(reference_lora, fleet, spec)
+    assert hashlib.sha256(data).hexdigest() == hashlib.sha256(reference).hexdigest()
+
+
+async def test_rejected_lease_stops_work_at_once(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    observer = Observer()
+    agent = Agent(
+        fleet.worker_config("m1"), trainer_factory=observer, qualification=cpu_qualification
+    )
+    async with running(agent):
+        job = await fleet.client.submit(max_train_steps=100_000, checkpointing_steps=100_000)
+        await fleet.client.wait_event(
+            job.job_id, KIND.JOB_EVENT_KIND_HEARTBEAT, lambda e: e.step >= 1
+        )
+        conn = await asyncpg.connect(fleet.scheduler.database_url)
+        try:
+            # Another replica re-granted the job and its NOTIFY was lost: the only way this
+            # worker learns is that its next message is refused (Rejected).
+            await conn.execute("ALTER TABLE jobs DISABLE TRIGGER jobs_notify")
+            await conn.execute(
+                "UPDATE jobs SET lease_id = gen_random_uuid(), epoch = epoch + 1,"
+                " machine_id = 'elsewhere' WHERE job_id = $1",
+                job.job_id,
+            )
+        finally:
+            await conn.close()
+        async with asyncio.timeout(WAIT_S):
+            await agent.wait_for_state(State.IDLE)
+        run = observer.runs[0]
+        assert await asyncio.to_thread(run.done.wait, WAIT_S)
+        assert isinstance(run.outcome, Stopped) and run.outcome.reason == "cancel"
+    current = await fleet.client.get(job.job_id)
+    assert current.state == pb.JOB_STATE_RUNNING and current.machine_id == "elsewhere"
+    assert "SUCCEEDED" not in kinds(await fleet.client.events(job.job_id))
+
+
+async def test_stream_cut_reconnects_and_keeps_the_lease(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    from tests.agent.support import TcpProxy
+
+    proxy = TcpProxy(target_port=fleet.scheduler.port)
+    await proxy.start()
+    states: list[State] = []
+    observer = Observer(hold_at=3)
+    config = fleet.worker_config("m1", scheduler_address=f"127.0.0.1:{proxy.port}")
+    agent = Agent(
+        config,
+        trainer_factory=observer,
+        qualification=cpu_qualification,
+        on_state_change=states.append,
+    )
+    try:
+        async with running(agent):
+            job = await fleet.client.submit(max_train_steps=6, checkpointing_steps=2)
+            run = await observer.run(0)
+            assert await asyncio.to_thread(run.reached.wait, WAIT_S)
+            proxy.cut()  # the network drops while the lease is training
+            async with asyncio.timeout(WAIT_S):
+                await agent.wait_for_state(State.CONNECTING)
+                await agent.wait_for_state(State.LEASED)
+            run.release.set()
+            done = await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED)
+    finally:
+        await proxy.close()
+    assert states[:4] == [State.CONNECTING, State.IDLE, State.LEASED, State.CONNECTING]
+    assert states[4] is State.LEASED
+    assert len(observer.runs) == 1 and run.steps == [1, 2, 3, 4, 5, 6]
+    assert done.epoch == 1
+    timeline = kinds(await fleet.client.events(job.job_id))
+    assert timeline.count("LEASE_GRANTED") == 1 and "LEASE_RESUMED" in timeline
+    assert proxy.connections >= 2
+
+
+async def test_unusable_images_fail_the_job_as_input_naming_each_file(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    store = fleet.scheduler.storage
+    await store.put_bytes(upload_key(OWNER, "mixed", "good.png"), png(1))
+    await store.put_bytes(upload_key(OWNER, "mixed", "small.png"), png(2, size=16))
+    await store.put_bytes(upload_key(OWNER, "mixed", "notes.png"), b"this is not an image")
+    agent = Agent(fleet.worker_config("m1"), qualification=cpu_qualification)
+    async with running(agent):
+        job = await fleet.client.submit(instance_data_prefix="mixed")
+        failed = await fleet.client.wait_state(job.job_id, pb.JOB_STATE_FAILED)
+    assert failed.failure_class == pb.FAILURE_CLASS_INPUT
+    assert "small.png" in failed.error and "too small" in failed.error
+    assert "notes.png" in failed.error and "unreadable" in failed.error
+    assert "good.png" not in failed.error
+
+
+class _NodeFault:
+    def __init__(self, config: TrainingConfig) -> None:
+        self.config = config
+
+    def run(self, **_kwargs: Any) -> TrainingOutcome:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+
+async def test_node_fault_fails_the_attempt_and_bans_the_machine(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    agent = Agent(
+        fleet.worker_config("m1"), trainer_factory=_NodeFault, qualification=cpu_qualification
+    )
+    async with running(agent):
+        job = await fleet.client.submit(max_failures=3)
+        event = await fleet.client.wait_event(job.job_id, KIND.JOB_EVENT_KIND_ATTEMPT_FAILED)
+        async with asyncio.timeout(WAIT_S):
+            await agent.wait_for_state(State.IDLE)
+    assert event.failure_class == pb.FAILURE_CLASS_NODE
+    assert "CUDA out of memory" in event.message
+    current = await fleet.client.get(job.job_id)
+    # Re-queued for another machine; this one is banned from it.
+    assert current.state == pb.JOB_STATE_QUEUED and current.failures == 1
+
+
+async def test_drain_then_resume_skips_a_corrupt_checkpoint(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    observer = Observer(hold_at=5)
+    first = Agent(
+        fleet.worker_config("m1"), trainer_factory=observer, qualification=cpu_qualification
+    )
+    async with running(first) as task:
+        job = await fleet.client.submit(max_train_steps=8, checkpointing_steps=2)
+        run = await observer.run(0)
+        await fleet.client.wait_event(
+            job.job_id, KIND.JOB_EVENT_KIND_CHECKPOINT_COMMITTED, lambda e: e.step == 4
+        )
+        assert await asyncio.to_thread(run.reached.wait, WAIT_S)
+        first.drain("test drain")  # while step 5 is being reported
+        run.release.set()
+        async with asyncio.timeout(WAIT_S):
+            await task
+        assert first.state is State.STOPPED
+    events = await fleet.client.events(job.job_id)
+    commits = [e for e in events if e.kind == KIND.JOB_EVENT_KIND_CHECKPOINT_COMMITTED]
+    assert [c.step for c in commits] == [2, 4, 5]  # 5: the drain's own checkpoint
+    drained = [e for e in events if e.kind == KIND.JOB_EVENT_KIND_DRAINED]
+    assert len(drained) == 1 and drained[0].event_id > commits[-1].event_id
+    assert (await fleet.client.get(job.job_id)).state == pb.JOB_STATE_QUEUED
+
+    # The newest checkpoint is damaged in storage: the next worker says so and uses the older.
+    newest = commits[-1].checkpoint
+    await fleet.scheduler.storage.put_bytes(newest.key, b"\x00" * newest.size_bytes)
+    resumed = Observer()
+    second = Agent(
+        fleet.worker_config("m2"), trainer_factory=resumed, qualification=cpu_qualification
+    )
+    async with running(second):
+        done = await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED)
+    assert resumed.runs[0].steps[0] == 5  # continued at 4 + 1
+    (notice,) = second.recent_leases[-1].notices
+    assert "step 5" in notice and "sha256" in notice
+    spec = (await fleet.scheduler.ledger.get_job_any_owner(job.job_id)).spec  # type: ignore[union-attr]
+    data = await fleet.scheduler.storage.get_bytes(done.result.key)
+    reference = await asyncio.to_thread(reference_lora, fleet, spec)
+    assert hashlib.sha256(data).hexdigest() == hashlib.sha256(reference).hexdigest()
+
+
+async def test_unqualified_worker_stays_connected_without_work(fleet: Fleet) -> None:
+    agent = Agent(fleet.worker_config("m1", allow_cpu=False))
+    async with running(agent):
+        async with asyncio.timeout(WAIT_S):
+            await agent.wait_for_state(State.IDLE)
+        assert agent.qualification is not None and not agent.qualification.passed
+        assert "--allow-cpu" in agent.qualification.detail
+        session = fleet.scheduler.fleet.sessions["m1"]
+        assert session.state is SessionState.UNQUALIFIED
+
+
+async def test_scheduler_shutdown_stops_an_idle_worker(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    agent = Agent(fleet.worker_config("m1"), qualification=cpu_qualification)
+    async with running(agent) as task:
+        async with asyncio.timeout(WAIT_S):
+            await agent.wait_for_state(State.IDLE)
+        await fleet.scheduler.shutdown()  # sends Shutdown to every worker
+        async with asyncio.timeout(WAIT_S):
+            await task
+    assert agent.state is State.STOPPED
+
+
+@pytest.mark.parametrize("scheduler_overrides", [{"url_ttl_s": 2}])
+async def test_renewed_urls_replace_expired_ones(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    observer = Observer(hold_at=1)
+    agent = Agent(
+        fleet.worker_config("m1"), trainer_factory=observer, qualification=cpu_qualification
+    )
+    async with running(agent):
+        job = await fleet.client.submit(max_train_steps=2, checkpointing_steps=1000)
+        run = await observer.run(0)
+        assert await asyncio.to_thread(run.reached.wait, WAIT_S)
+        runner = agent.runner
+        assert runner is not None
+        # The scheduler renews a lease's URLs when a third of their life is left; after two
+        # renewals the grant's 2-second result URL has expired.
+        async with asyncio.timeout(WAIT_S):
+            await agent.wait_until(lambda _a: runner.url_renewals >= 2)
+        run.release.set()
+        done = await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED)
+    data = await fleet.scheduler.storage.get_bytes(done.result.key)
+    assert hashlib.sha256(data).hexdigest() == done.result.sha256
