@@ -24,8 +24,7 @@ from lorafleet.worker.training import (
     load_checkpoint,
     serialize_checkpoint,
 )
-from lorafleet.worker.training.checkpoint import MAGIC
-from lorafleet.worker.training.loop import _tensors_in, _tensors_out
+from lorafleet.worker.training.checkpoint import MAGIC, join_tensors, split_tensors
 from lorafleet.worker.training.serialization import safetensors_metadata
 from tests.worker.support import Recorder, TrainFn, instance_images, make_config, tiny_spec
 
@@ -151,7 +150,7 @@ def test_nested_optimizer_state_round_trips() -> None:
         "history": [torch.zeros(1), 0.5],
     }
     tensors: dict[str, torch.Tensor] = {}
-    json_part = _tensors_out(state, "optimizer/0", tensors)
+    json_part = split_tensors(state, "optimizer/0", tensors)
     assert set(tensors) == {
         "optimizer/0/state1",
         "optimizer/0/wrapped/qmap1",
@@ -160,7 +159,7 @@ def test_nested_optimizer_state_round_trips() -> None:
     }
     snapshot = TrainingSnapshot(step=1, tensors=tensors, state={"optimizer": json_part})
     loaded = load_checkpoint(serialize_checkpoint(snapshot))
-    back = _tensors_in(loaded.state["optimizer"], loaded.tensors)
+    back = join_tensors(loaded.state["optimizer"], loaded.tensors)
     assert back["step"] == 3
     assert torch.equal(back["state1"], state["state1"])
     assert torch.equal(back["wrapped"]["qmap1"], qmap)

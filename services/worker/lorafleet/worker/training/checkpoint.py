@@ -113,6 +113,34 @@ def load_checkpoint(data: bytes) -> TrainingSnapshot:
     return TrainingSnapshot(step=step, tensors=tensors, state=state)
 
 
+_TENSOR_REF = "__tensor__"
+
+
+def split_tensors(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON-ready copy of a (nested) state value: each tensor moves to `tensors` under a path
+    key and is replaced by a reference. Optimizers nest state differently (torch: flat per
+    parameter; bitsandbytes: quantization state in a sub-dict), so the structure is kept."""
+    if isinstance(value, torch.Tensor):
+        tensors[key] = value
+        return {_TENSOR_REF: key}
+    if isinstance(value, dict):
+        return {str(k): split_tensors(v, f"{key}/{k}", tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [split_tensors(v, f"{key}/{i}", tensors) for i, v in enumerate(value)]
+    return value
+
+
+def join_tensors(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of `split_tensors`."""
+    if isinstance(value, dict):
+        if set(value) == {_TENSOR_REF}:
+            return tensors[value[_TENSOR_REF]]
+        return {k: join_tensors(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [join_tensors(v, tensors) for v in value]
+    return value
+
+
 # RNG states -------------------------------------------------------------------------------------
 
 

@@ -12,13 +12,12 @@ import hashlib
 import json
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from diffusers.optimization import get_scheduler
@@ -27,7 +26,9 @@ from lorafleet.spec import JobSpec
 from lorafleet.worker.training.checkpoint import (
     TrainingSnapshot,
     capture_global_rng,
+    join_tensors,
     restore_global_rng,
+    split_tensors,
     to_host,
 )
 from lorafleet.worker.training.config import Runtime, TrainingConfig, resolve_runtime
@@ -50,6 +51,14 @@ from lorafleet.worker.training.model import (
     encode_prompts,
     load_components,
     tokenize,
+)
+from lorafleet.worker.training.objective import (
+    draw_noise,
+    dreambooth_loss,
+    min_snr_weights,
+    prediction_target,
+    sample_latents,
+    snr_per_timestep,
 )
 from lorafleet.worker.training.sampling import generate_class_images, validation_images
 
@@ -200,34 +209,6 @@ def _fresh_accelerator(runtime: Runtime, gradient_accumulation_steps: int) -> An
         gradient_accumulation_steps=gradient_accumulation_steps,
         cpu=not runtime.is_cuda,
     )
-
-
-_TENSOR_REF = "__tensor__"
-
-
-def _tensors_out(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """JSON-ready copy of a (nested) state value: each tensor moves to `tensors` under a path
-    key and is replaced by a reference. Optimizers nest state differently (torch: flat per
-    parameter; bitsandbytes: quantization state in a sub-dict), so the structure is kept."""
-    if isinstance(value, torch.Tensor):
-        tensors[key] = value
-        return {_TENSOR_REF: key}
-    if isinstance(value, dict):
-        return {str(k): _tensors_out(v, f"{key}/{k}", tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_tensors_out(v, f"{key}/{i}", tensors) for i, v in enumerate(value)]
-    return value
-
-
-def _tensors_in(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of `_tensors_out`."""
-    if isinstance(value, dict):
-        if set(value) == {_TENSOR_REF}:
-            return tensors[value[_TENSOR_REF]]
-        return {k: _tensors_in(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_tensors_in(v, tensors) for v in value]
-    return value
 
 
 def _enable_activation_checkpointing(encoder: Any) -> None:
@@ -458,9 +439,7 @@ class _Run:
         scheduler_config = self.components.noise_scheduler.config
         self.num_train_timesteps = int(scheduler_config.num_train_timesteps)
         self.prediction_type = str(scheduler_config.prediction_type)
-        alphas = self.components.noise_scheduler.alphas_cumprod.to(device, torch.float32)
-        # Signal-to-noise ratio per timestep, for min-SNR weighting.
-        self.snr: torch.Tensor = alphas / (1.0 - alphas)
+        self.snr = snr_per_timestep(self.components.noise_scheduler.alphas_cumprod.to(device))
 
     # Training ---------------------------------------------------------------------------------
 
@@ -526,7 +505,12 @@ class _Run:
         device = self.runtime.device
         with accelerator.accumulate(*self.trained.values()):
             latents = self.latents(samples)
-            noise, timesteps = self.draw_noise(latents)
+            noise, timesteps = draw_noise(
+                latents,
+                self.noise_generator,
+                noise_offset=self.spec.noise_offset,
+                num_train_timesteps=self.num_train_timesteps,
+            )
             noisy = self.components.noise_scheduler.add_noise(latents, noise, timesteps)
             time_ids = self.data.time_ids(samples).to(device, non_blocking=True)
             with accelerator.autocast():
@@ -562,35 +546,7 @@ class _Run:
             moments = self.latent_moments.index_select(0, index)
         else:
             moments = self.encode_moments(samples)
-        mean, std = moments.float().chunk(2, dim=1)
-        # The posterior sample (as DiagonalGaussianDistribution.sample), drawn from our own
-        # generator so the draw is part of the checkpointed random stream.
-        eps = torch.randn(
-            mean.shape, generator=self.noise_generator, device=mean.device, dtype=mean.dtype
-        )
-        latents = mean + std * eps
-        config = self.components.vae.config
-        mean_shift = getattr(config, "latents_mean", None)
-        std_scale = getattr(config, "latents_std", None)
-        if mean_shift is not None and std_scale is not None:
-            shift = torch.tensor(mean_shift, device=latents.device).view(1, -1, 1, 1)
-            scale = torch.tensor(std_scale, device=latents.device).view(1, -1, 1, 1)
-            return (latents - shift) * float(config.scaling_factor) / scale
-        return latents * float(config.scaling_factor)
-
-    def draw_noise(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        generator = self.noise_generator
-        device = latents.device
-        noise = torch.randn(latents.shape, generator=generator, device=device)
-        if self.spec.noise_offset:
-            # Per-channel offsets let the model learn overall brightness shifts.
-            batch, channels = latents.shape[:2]
-            offset = torch.randn((batch, channels, 1, 1), generator=generator, device=device)
-            noise = noise + self.spec.noise_offset * offset
-        timesteps = torch.randint(
-            0, self.num_train_timesteps, (latents.shape[0],), generator=generator, device=device
-        )
-        return noise, timesteps
+        return sample_latents(moments, self.noise_generator, self.components.vae.config)
 
     def conditioning(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt embeddings, pooled embeddings) per sample."""
@@ -616,40 +572,22 @@ class _Run:
         noise: torch.Tensor,
         timesteps: torch.Tensor,
     ) -> torch.Tensor:
-        if self.prediction_type == "epsilon":
-            target = noise
-        elif self.prediction_type == "v_prediction":
-            target = self.components.noise_scheduler.get_velocity(latents, noise, timesteps)
-        elif self.prediction_type == "sample":
-            target = latents
-        else:
-            raise ValueError(f"unknown prediction type {self.prediction_type!r}")
-        prediction = prediction.float()
-        target = target.float()
-        # With prior preservation the second half of the batch is class images.
-        count = len(prediction) // 2 if self.data.num_class else len(prediction)
-        per_sample = ((prediction[:count] - target[:count]) ** 2).mean(dim=(1, 2, 3))
+        target = prediction_target(
+            self.prediction_type, self.components.noise_scheduler, latents, noise, timesteps
+        )
+        weights = None
         if self.spec.snr_gamma > 0:
-            per_sample = per_sample * self.snr_weights(timesteps[:count])
-        loss = per_sample.mean()
-        if self.data.num_class:
-            prior = F.mse_loss(prediction[count:], target[count:])
-            loss = loss + self.spec.prior_loss_weight * prior
-        return loss
-
-    def snr_weights(self, timesteps: torch.Tensor) -> torch.Tensor:
-        """Min-SNR-gamma weights (Hang et al. 2023, https://arxiv.org/abs/2303.09556).
-
-        The paper's weight for x0 prediction is min(SNR, gamma); predicting noise divides by
-        SNR and predicting velocity by SNR + 1, which keeps the weight finite at SNR ~ 0.
-        """
-        snr = self.snr[timesteps]
-        clipped = snr.clamp(max=self.spec.snr_gamma)
-        if self.prediction_type == "epsilon":
-            return clipped / snr
-        if self.prediction_type == "v_prediction":
-            return clipped / (snr + 1.0)
-        return clipped
+            count = len(timesteps) // 2 if self.data.num_class else len(timesteps)
+            weights = min_snr_weights(
+                self.snr[timesteps[:count]], self.spec.snr_gamma, self.prediction_type
+            )
+        return dreambooth_loss(
+            prediction,
+            target,
+            with_prior=self.data.num_class > 0,
+            prior_loss_weight=self.spec.prior_loss_weight,
+            snr_weights=weights,
+        )
 
     def validate_if_due(self) -> None:
         spec = self.spec
@@ -688,7 +626,7 @@ class _Run:
         live: dict[str, torch.Tensor] = dict(self._live_lora())
         optimizer_state = self.raw_optimizer.state_dict()
         per_param = {
-            str(index): _tensors_out(values, f"optimizer/{index}", live)
+            str(index): split_tensors(values, f"optimizer/{index}", live)
             for index, values in optimizer_state["state"].items()
         }
         live["rng/data"] = self.data_generator.get_state()
@@ -740,7 +678,7 @@ class _Run:
                     raise CorruptCheckpoint(f"checkpoint tensor {key} has the wrong shape")
                 param.copy_(tensors[key])
         optimizer_state = {
-            int(index): _tensors_in(values, tensors)
+            int(index): join_tensors(values, tensors)
             for index, values in state["optimizer"]["state"].items()
         }
         self.raw_optimizer.load_state_dict(
