@@ -201,6 +201,8 @@ class Agent:
         self._finished = asyncio.Event()
         self._stopped = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
+        # The lease a drain still has to report in `Draining`, once its runner has ended.
+        self._draining_lease: fpb.LeaseRef | None = None
         self._running = False
         self._shutdown_started = False
         self._log = log.bind(machine_id=config.machine_id)
@@ -273,6 +275,11 @@ class Agent:
             self._finished.set()
             return
         self._log.info("draining", reason=reason)
+        # The state and the stop request change now, not when the task first runs: the
+        # training thread sees the drain at its very next step boundary.
+        self._set_state(State.DRAINING)
+        if self._runner is not None:
+            self._runner.drain()
         self._drain_task = asyncio.get_running_loop().create_task(self._drain(reason))
 
     async def shutdown(self) -> None:
@@ -308,6 +315,8 @@ class Agent:
             self._session = None
         if self._state is not State.STOPPED:
             self._set_state(State.STOPPED)
+        # An agent runs once: nothing uploads after this.
+        await self._transfer.close()
         self._running = False
         self._stopped.set()
         self._log.info("worker stopped")
@@ -345,6 +354,10 @@ class Agent:
     async def _connection_loop(self) -> None:
         attempt = 0
         while not self._finished.is_set():
+            if self._state is State.DRAINING and not self._drain_needs_stream():
+                # Nothing left to tell the scheduler: the drain task finishes on its own.
+                await self._finished.wait()
+                return
             try:
                 session = await self._open_session()
             except _StreamFailed as exc:
@@ -371,6 +384,11 @@ class Agent:
             await self._serve(session)
             if not self._finished.is_set() and self._state in (State.IDLE, State.LEASED):
                 self._set_state(State.CONNECTING)
+
+    def _drain_needs_stream(self) -> bool:
+        """While draining, a stream is only worth (re)opening to report on a lease."""
+        runner = self._runner
+        return (runner is not None and runner.holds_lease) or self._draining_lease is not None
 
     def _channel(self) -> grpc.aio.Channel:
         options = [
@@ -626,11 +644,9 @@ class Agent:
     async def _drain(self, reason: str) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_grace_s
-        self._set_state(State.DRAINING)
         runner, task = self._runner, self._runner_task
         try:
             if runner is not None and task is not None:
-                runner.drain()
                 reserve = min(_DRAIN_REPLY_RESERVE_S, self.config.drain_grace_s / 5)
                 try:
                     async with asyncio.timeout_at(deadline - reserve):
@@ -648,18 +664,20 @@ class Agent:
     async def _say_draining(self, runner: LeaseRunner | None, reason: str) -> None:
         """Sends Draining (with the lease when we still hold it) and waits until the scheduler
         has read everything (it ends the stream after our half-close)."""
-        held = runner is not None and runner.holds_lease
+        drained = fpb.Draining(reason=reason[:500])
+        if runner is not None and runner.holds_lease:
+            drained.lease.CopyFrom(runner.ref)
+            self._draining_lease = runner.ref
+            self._notify()  # the connection loop reconnects for it if the stream is down
         while True:
             session = self._session
             if session is not None and session.writable:
                 break
-            if not held:
+            if self._draining_lease is None:
                 return  # no lease and no stream: nothing to tell
             await self._wait_changed()
-        drained = fpb.Draining(reason=reason[:500])
-        if held and runner is not None:
-            drained.lease.CopyFrom(runner.ref)
         session.send(fpb.ConnectRequest(draining=drained))
+        self._draining_lease = None
         session.finish_writing()
         await session.closed.wait()
         self._log.info("drained", lease_id=drained.lease.lease_id or None)

@@ -121,6 +121,12 @@ class LeaseResult(enum.Enum):
     STOPPED = "stopped"  # canceled, revoked, rejected or aborted: nothing more to send
 
 
+class _Phase(enum.Enum):
+    PREPARING = "preparing"  # downloads, resume: nothing worth keeping yet
+    TRAINING = "training"  # the thread runs: stops go through should_stop
+    FINISHING = "finishing"  # the outcome is being stored and reported
+
+
 class _Mode(enum.Enum):
     TRAINING = "training"
     # Stop at the next step boundary with a snapshot, then commit it.
@@ -300,9 +306,7 @@ class LeaseRunner:
         self._artifact_gate = asyncio.Semaphore(config.artifact_upload_concurrency)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._work: asyncio.Task[LeaseResult] | None = None
-        # The training thread's future, once started: from then on stops go through
-        # should_stop, because a thread cannot be interrupted.
-        self._thread: asyncio.Future[TrainingOutcome] | None = None
+        self._phase = _Phase.PREPARING
         # JobSucceeded or JobFailed once sent: the agent re-sends it if the stream broke before
         # the scheduler could have read it.
         self.terminal_message: fpb.ConnectRequest | None = None
@@ -346,7 +350,7 @@ class LeaseRunner:
         if self._mode is not _Mode.TRAINING:
             return
         self._request_stop(_Mode.DRAINING, "drain")
-        if self._thread is None and self._work is not None:
+        if self._phase is _Phase.PREPARING and self._work is not None:
             self._work.cancel()
 
     def _request_stop(self, mode: _Mode, reason: str) -> None:
@@ -360,10 +364,10 @@ class LeaseRunner:
             # through should_stop and waited for by _train.
             self._work.cancel()
         if mode is _Mode.CANCELLED:
+            # Background uploads waiting for a URL will never get one.
             for waiters in self._url_waiters.values():
                 for waiter in waiters:
-                    if not waiter.done():
-                        waiter.set_exception(LeaseLost(reason))
+                    waiter.cancel()
 
     def urls_renewed(self, urls: fpb.JobUrls) -> None:
         """An UrlsRenewed for this lease: answers to our requests, or a full renewal."""
@@ -419,25 +423,29 @@ class LeaseRunner:
 
     async def _run(self) -> LeaseResult:
         try:
-            outcome = await self._prepare_and_train()
+            try:
+                outcome = await self._prepare_and_train()
+            except LeaseLost:
+                raise
+            except Exception as exc:
+                if self._mode in (_Mode.CANCELLED, _Mode.ABORTED):
+                    return LeaseResult.STOPPED  # errors of a run being torn down are not the job's
+                return await self._fail(exc)
+            self._phase = _Phase.FINISHING
+            try:
+                if isinstance(outcome, Stopped):
+                    return await self._stopped(outcome)
+                return await self._succeed(outcome)
+            except LeaseLost:
+                raise
+            except Exception as exc:
+                if self._mode is not _Mode.TRAINING:
+                    return LeaseResult.STOPPED
+                # The result could not be stored: the attempt fails (retryable, class internal);
+                # the next one resumes from the newest checkpoint.
+                return await self._fail(exc)
         except LeaseLost:
             return LeaseResult.STOPPED
-        except Exception as exc:
-            if self._mode in (_Mode.CANCELLED, _Mode.ABORTED):
-                return LeaseResult.STOPPED  # errors of a run being torn down are not the job's
-            return await self._fail(exc)
-        try:
-            if isinstance(outcome, Stopped):
-                return await self._stopped(outcome)
-            return await self._succeed(outcome)
-        except LeaseLost:
-            return LeaseResult.STOPPED
-        except Exception as exc:
-            if self._mode is not _Mode.TRAINING:
-                return LeaseResult.STOPPED
-            # The result could not be stored: the attempt fails (retryable, class internal);
-            # the next one resumes from the newest checkpoint.
-            return await self._fail(exc)
 
     async def _prepare_and_train(self) -> TrainingOutcome:
         spec = spec_from_proto(self.grant.spec)
@@ -542,7 +550,8 @@ class LeaseRunner:
             "worker.train", attributes={"lorafleet.start_step": start}
         ):
             # to_thread copies the context: spans the trainer opens are children of this one.
-            thread = self._thread = asyncio.ensure_future(
+            self._phase = _Phase.TRAINING
+            thread = asyncio.ensure_future(
                 asyncio.to_thread(
                     trainer.run,
                     instance_images=instance,
@@ -572,8 +581,6 @@ class LeaseRunner:
                         error=str(thread.exception())[:500],
                     )
                 raise
-            finally:
-                self._thread = None
 
     # Hooks: called on the training thread, each returns at once ------------------------------
 
@@ -762,6 +769,9 @@ class LeaseRunner:
             except Exception:
                 # The job is re-queued from its last committed checkpoint all the same.
                 self._log.exception("drain checkpoint not stored", step=outcome.snapshot.step)
+        # Validation and class images still uploading belong to the job too (small; each is
+        # bounded by the transfer deadline, the whole drain by its grace period).
+        await asyncio.gather(*list(self._artifact_tasks), return_exceptions=True)
         return LeaseResult.DRAINED
 
     async def _succeed(self, outcome: Finished) -> LeaseResult:
