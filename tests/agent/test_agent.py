@@ -18,6 +18,7 @@ from typing import Any
 import asyncpg
 import pytest
 import safetensors.torch
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.model import upload_key
@@ -49,6 +50,8 @@ class ObservedTrainer:
     hold_at: int | None = None
     steps: list[int] = field(default_factory=list)
     stop_answers: list[str] = field(default_factory=list)
+    class_inputs: list[str] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
     outcome: TrainingOutcome | None = None
     reached: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
@@ -78,11 +81,19 @@ class ObservedTrainer:
                 self.stop_answers.append(answer)
             return answer
 
+        on_class_images = hooks.on_class_images
+        assert on_class_images is not None
+
+        def generated(batch: list[tuple[int, bytes]]) -> None:
+            self.generated.extend(index for index, _ in batch)
+            on_class_images(batch)
+
+        self.class_inputs = [image.name for image in class_images]
         observed = TrainingHooks(
             on_progress=progress,
             should_stop=stop,
             on_checkpoint=hooks.on_checkpoint,
-            on_class_images=hooks.on_class_images,
+            on_class_images=generated,
             on_validation_images=hooks.on_validation_images,
         )
         try:
@@ -124,10 +135,18 @@ class Observer:
 
 
 def reference_lora(fleet: Fleet, spec: Any) -> bytes:
-    """The uninterrupted run of `spec` on the test images, in this process."""
+    """The uninterrupted run of `spec` on the test images, in this process (sampling settings
+    as the test workers have them)."""
     files = {f"{i}.png": png(i) for i in range(NUM_IMAGES)}
+    worker = fleet.worker_config("reference")
     config = TrainingConfig(
-        spec=spec, model_path=str(fleet.tiny_model), local_files_only=True, device="cpu"
+        spec=spec,
+        model_path=str(fleet.tiny_model),
+        local_files_only=True,
+        device="cpu",
+        sample_steps=worker.sample_steps,
+        sample_batch_size=worker.sample_batch_size,
+        num_validation_images=worker.num_validation_images,
     )
     outcome = Trainer(config).run(instance_images=images_from_files(files))
     assert isinstance(outcome, Finished)
@@ -468,3 +487,97 @@ async def test_renewed_urls_replace_expired_ones(
         done = await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED)
     data = await fleet.scheduler.storage.get_bytes(done.result.key)
     assert hashlib.sha256(data).hexdigest() == done.result.sha256
+
+
+async def test_training_spans_join_the_jobs_trace(
+    fleet: Fleet, cpu_qualification: QualificationResult, span_exporter: InMemorySpanExporter
+) -> None:
+    agent = Agent(fleet.worker_config("m1"), qualification=cpu_qualification)
+    async with running(agent):
+        job = await fleet.client.submit(max_train_steps=2, checkpointing_steps=1)
+        await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED)
+        async with asyncio.timeout(WAIT_S):
+            await agent.wait_until(lambda a: not a.busy)
+    spans = span_exporter.get_finished_spans()
+    (submit,) = [
+        s
+        for s in spans
+        if s.name == "lorafleet.submit"
+        and s.attributes
+        and s.attributes.get("lorafleet.job_ids") == (job.job_id,)
+    ]
+    (lease,) = [
+        s
+        for s in spans
+        if s.name == "worker.lease"
+        and s.attributes
+        and s.attributes.get("lorafleet.job_id") == job.job_id
+    ]
+    assert submit.context is not None and lease.context is not None and lease.parent is not None
+    assert lease.context.trace_id == submit.context.trace_id
+    assert lease.parent.span_id == submit.context.span_id
+    children = {s.name for s in spans if s.parent and s.parent.span_id == lease.context.span_id}
+    assert {"worker.download_inputs", "worker.train", "worker.upload_result"} <= children
+    checkpoint = [s for s in spans if s.name == "worker.checkpoint"]
+    assert checkpoint and all(s.context.trace_id == submit.context.trace_id for s in checkpoint)
+
+
+# Sampling (class and validation images) converts through numpy, which warns about the CPU torch
+# build's __array__; the warning is not ours and must not fail the run under `error`.
+@pytest.mark.filterwarnings(
+    "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
+)
+async def test_generated_class_and_validation_images_are_stored_and_reused_on_resume(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    prior = {
+        "with_prior_preservation": True,
+        "class_prompt": "a photo of a dog",
+        "num_class_images": 3,
+        "validation_prompt": "a photo of sks dog on the beach",
+        "validation_steps": 2,
+        "max_train_steps": 6,
+        "checkpointing_steps": 2,
+    }
+    observer = Observer(hold_at=3)
+    first = Agent(
+        fleet.worker_config("m1"), trainer_factory=observer, qualification=cpu_qualification
+    )
+    async with running(first) as task:
+        job = await fleet.client.submit(**prior)
+        run = await observer.run(0)
+        await fleet.client.wait_event(
+            job.job_id, KIND.JOB_EVENT_KIND_CHECKPOINT_COMMITTED, lambda e: e.step == 2
+        )
+        assert await asyncio.to_thread(run.reached.wait, WAIT_S)
+        first.drain("test drain")
+        run.release.set()
+        async with asyncio.timeout(WAIT_S):
+            await task
+    assert run.class_inputs == [] and sorted(run.generated) == [0, 1, 2]
+    stored = {
+        o.key.rsplit("/", 2)[-2] + "/" + o.key.rsplit("/", 1)[-1]
+        for o in await fleet.scheduler.storage.list(f"jobs/{job.job_id}/")
+    }
+    assert {"class_images/00000.png", "class_images/00001.png", "class_images/00002.png"} <= stored
+    assert "validation/2-e1-0.png" in stored
+
+    resumed = Observer()
+    second = Agent(
+        fleet.worker_config("m2"), trainer_factory=resumed, qualification=cpu_qualification
+    )
+    async with running(second):
+        done = await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED)
+    again = resumed.runs[0]
+    # The resumed attempt got the first one's class images back and generated none.
+    assert sorted(again.class_inputs) == ["00000.png", "00001.png", "00002.png"]
+    assert again.generated == [] and again.steps[0] == 4
+    stored = {
+        o.key.rsplit("/", 1)[-1]
+        for o in await fleet.scheduler.storage.list(f"jobs/{job.job_id}/validation/")
+    }
+    assert {"2-e1-0.png", "4-e2-0.png"} <= stored
+    spec = (await fleet.scheduler.ledger.get_job_any_owner(job.job_id)).spec  # type: ignore[union-attr]
+    data = await fleet.scheduler.storage.get_bytes(done.result.key)
+    reference = await asyncio.to_thread(reference_lora, fleet, spec)
+    assert hashlib.sha256(data).hexdigest() == hashlib.sha256(reference).hexdigest()
