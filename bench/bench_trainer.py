@@ -1,0 +1,565 @@
+"""lorafleet's trainer against diffusers' DreamBooth-LoRA SDXL script, same model, same run.
+
+    /work/venv/bin/python bench/bench_trainer.py \\
+        --reference /tmp/train_dreambooth_lora_sdxl.py --steps 40
+
+The reference is `examples/dreambooth/train_dreambooth_lora_sdxl.py` from huggingface/diffusers
+(not part of this repository: pass its path). Both train the same randomly initialised
+SDXL-architecture model (`lorafleet.worker.tiny_model`), on the same generated images, with the
+same hyperparameters (batch 1, constant LR, rank 4, seed 0), with and without text-encoder
+training. Reported, per trainer:
+
+* median seconds per optimizer step over steps 2..N (checkpoint steps excluded), and the ratio
+  reference / lorafleet;
+* the training stall per checkpoint: for lorafleet the time the training thread spends taking
+  the host snapshot (serialising happens on another thread, as the worker does it); for the
+  reference the extra time of the step that saves `accelerator.save_state` to disk;
+* bytes written to local disk during the run: /proc/self/io `write_bytes` plus every
+  Python-level open for writing (audit hook) for lorafleet; the output directory the reference
+  leaves (checkpoints and LoRA) for it;
+* the size of the final LoRA file.
+
+The reference runs in a subprocess under a small harness that timestamps its "Steps" progress
+bar. Its `torchvision` import (used only for image transforms at dataset creation) is satisfied
+by a PIL-based shim when torchvision cannot be imported (the CPU torch build here has no
+matching torchvision on PyPI); transformers and diffusers are imported first so that they
+never see the shim.
+
+`--gpu` trains the full-size SDXL architecture (random weights, bf16 files) at 1024 px in bf16
+mixed precision on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from lorafleet.spec import JobSpec
+from lorafleet.worker.tiny_model import build_tiny_model
+from lorafleet.worker.training import (
+    Finished,
+    Trainer,
+    TrainingConfig,
+    TrainingHooks,
+    TrainingImage,
+    TrainingSnapshot,
+    serialize_checkpoint,
+)
+
+PROMPT = "a photo of sks dog"
+
+# Runs the reference script with its progress bar timestamped. argv: script, times.json, args...
+_HARNESS = """
+import json, runpy, sys, time
+import tqdm.auto
+
+times = []
+
+class TimedTqdm(tqdm.auto.tqdm):
+    def update(self, n=1):
+        if self.desc == "Steps":
+            times.append((time.perf_counter(), time.process_time()))
+        return super().update(n)
+
+tqdm.auto.tqdm = TimedTqdm
+# Settle every library's "is torchvision installed" check before the shim is importable.
+import transformers.utils.import_utils as transformers_imports
+import diffusers, peft, accelerate, torch
+transformers_imports.is_torchvision_available()
+if {threads}:
+    torch.set_num_threads({threads})
+shim = {shim!r}
+if shim:
+    sys.path.insert(0, shim)
+script, out = sys.argv[1], sys.argv[2]
+sys.argv = [script, *sys.argv[3:]]
+try:
+    runpy.run_path(script, run_name="__main__")
+finally:
+    with open(out, "w") as f:
+        json.dump(times, f)
+"""
+
+# The torchvision surface the reference script uses, on PIL.
+_SHIM_FILES = {
+    "torchvision/__init__.py": "from . import transforms\n",
+    "torchvision/transforms/functional.py": """
+def crop(img, top, left, height, width):
+    return img.crop((left, top, left + width, top + height))
+""",
+    "torchvision/transforms/__init__.py": """
+import enum
+import numpy as np
+import torch
+import torch
+from PIL import Image
+from . import functional
+
+
+class InterpolationMode(enum.Enum):
+    NEAREST = "nearest"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    LANCZOS = "lanczos"
+
+
+_PIL = {
+    InterpolationMode.NEAREST: Image.Resampling.NEAREST,
+    InterpolationMode.BILINEAR: Image.Resampling.BILINEAR,
+    InterpolationMode.BICUBIC: Image.Resampling.BICUBIC,
+    InterpolationMode.LANCZOS: Image.Resampling.LANCZOS,
+}
+
+
+def _pair(size):
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+class Compose:
+    def __init__(self, transforms):
+        self.transforms = transforms
+
+    def __call__(self, x):
+        for t in self.transforms:
+            x = t(x)
+        return x
+
+
+class Resize:
+    def __init__(self, size, interpolation=InterpolationMode.BILINEAR):
+        self.size, self.interpolation = size, interpolation
+
+    def __call__(self, img):
+        w, h = img.size
+        s = self.size / min(w, h)
+        return img.resize((max(self.size, round(w * s)), max(self.size, round(h * s))),
+                          _PIL[self.interpolation])
+
+
+class CenterCrop:
+    def __init__(self, size):
+        self.size = _pair(size)
+
+    def __call__(self, img):
+        th, tw = self.size
+        w, h = img.size
+        return functional.crop(img, int(round((h - th) / 2)), int(round((w - tw) / 2)), th, tw)
+
+
+class RandomCrop:
+    def __init__(self, size):
+        self.size = _pair(size)
+
+    @staticmethod
+    def get_params(img, output_size):
+        w, h = img.size
+        th, tw = output_size
+        i = int(torch.randint(0, h - th + 1, size=(1,)).item())
+        j = int(torch.randint(0, w - tw + 1, size=(1,)).item())
+        return i, j, th, tw
+
+    def __call__(self, img):
+        return functional.crop(img, *self.get_params(img, self.size))
+
+
+class RandomHorizontalFlip:
+    def __init__(self, p=0.5):
+        self.p = p
+
+    def __call__(self, img):
+        if torch.rand(1).item() < self.p:
+            return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return img
+
+
+class ToTensor:
+    def __call__(self, pic):
+        return torch.from_numpy(np.array(pic, dtype=np.uint8)).permute(2, 0, 1).float() / 255
+
+
+class Normalize:
+    def __init__(self, mean, std):
+        self.mean, self.std = mean, std
+
+    def __call__(self, t):
+        return (t - torch.tensor(self.mean).view(-1, 1, 1)) / torch.tensor(self.std).view(-1, 1, 1)
+""",
+}
+
+
+@dataclass
+class Result:
+    trainer: str
+    text_encoder: bool
+    steps: int
+    median_step_s: float
+    # CPU seconds of the training thread (lorafleet) / process (reference) per step: with one
+    # intra-op thread, a figure that other load on the machine barely moves.
+    median_step_cpu_s: float
+    checkpoint_stall_s: float
+    checkpoints: int
+    local_disk_bytes: int
+    lora_bytes: int
+    wall_s: float
+    # lorafleet only: Python-level opens for writing seen by the audit hook.
+    write_opens: int | None = None
+
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+def _write_bytes() -> int:
+    """Bytes this process caused to be written to storage so far (Linux)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("write_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+class _WriteAudit:
+    """Counts Python-level opens for writing while active (audit hooks cannot be removed)."""
+
+    active = False
+    opens: list[str] = []  # noqa: RUF012 -- one process-wide audit log
+
+    @classmethod
+    def install(cls) -> None:
+        def hook(event: str, args: tuple[Any, ...]) -> None:
+            if cls.active and event == "open":
+                path, mode, flags = args
+                writing = bool(mode and any(c in str(mode) for c in "wax+"))
+                writing = writing or bool(isinstance(flags, int) and flags & _WRITE_FLAGS)
+                if writing and not isinstance(path, int) and path != "/dev/null":
+                    cls.opens.append(str(path))
+
+        sys.addaudithook(hook)
+
+
+def make_images(count: int, resolution: int) -> list[tuple[str, bytes]]:
+    rng = np.random.default_rng(0)
+    images = []
+    ys, xs = np.mgrid[0:resolution, 0:resolution].astype(np.float32) / resolution
+    for index in range(count):
+        phase = rng.uniform(0, 6.28, size=3)
+        freq = rng.uniform(2, 12, size=3)
+        array = np.stack(
+            [127.5 + 127.5 * np.sin(freq[c] * (xs + ys) + phase[c]) for c in range(3)], axis=-1
+        )
+        buffer = io.BytesIO()
+        Image.fromarray(array.clip(0, 255).astype(np.uint8), "RGB").save(buffer, format="PNG")
+        images.append((f"img{index}.png", buffer.getvalue()))
+    return images
+
+
+def _median_steps(durations: list[float]) -> float:
+    return statistics.median(durations) if durations else float("nan")
+
+
+def _step_figures(
+    stamps: list[tuple[float, float]], steps: int, checkpoint_every: int
+) -> tuple[float, float, list[float]]:
+    """From (wall, cpu) stamps taken as each step finishes (before its checkpoint is saved, so
+    a save lands in the next step's duration): median wall and CPU seconds over steps 2..N
+    without the steps that carry a checkpoint, and those steps' extra wall time."""
+    after_checkpoint = {s + 1 for s in range(checkpoint_every, steps, checkpoint_every)}
+    wall = {s: stamps[s - 1][0] - stamps[s - 2][0] for s in range(2, len(stamps) + 1)}
+    cpu = {s: stamps[s - 1][1] - stamps[s - 2][1] for s in range(2, len(stamps) + 1)}
+    median_wall = _median_steps([d for s, d in wall.items() if s not in after_checkpoint])
+    median_cpu = _median_steps([d for s, d in cpu.items() if s not in after_checkpoint])
+    extra = [wall[s] - median_wall for s in sorted(after_checkpoint) if s in wall]
+    return median_wall, median_cpu, extra
+
+
+def run_lorafleet(
+    model_dir: Path,
+    images: list[tuple[str, bytes]],
+    *,
+    steps: int,
+    checkpoint_every: int,
+    resolution: int,
+    text_encoder: bool,
+    gpu: bool,
+) -> tuple[Result, int]:
+    spec = JobSpec(
+        instance_prompt=PROMPT,
+        instance_data_prefix="bench",
+        max_train_steps=steps,
+        resolution=resolution,
+        train_batch_size=1,
+        learning_rate=1e-4,
+        text_encoder_learning_rate=5e-6,
+        train_text_encoder=text_encoder,
+        lr_scheduler="constant",
+        lora_rank=4,
+        lora_alpha=4.0,
+        adam_weight_decay=1e-4,
+        checkpointing_steps=checkpoint_every,
+        mixed_precision="bf16" if gpu else "no",
+        seed=0,
+    )
+    config = TrainingConfig(
+        spec=spec, model_path=str(model_dir), local_files_only=True, device="auto"
+    )
+    blob_sizes: list[int] = []
+    uploads: list[threading.Thread] = []
+
+    def on_checkpoint(snapshot: TrainingSnapshot) -> None:
+        # As the worker does it: serialise (and upload) on another thread.
+        thread = threading.Thread(
+            target=lambda: blob_sizes.append(len(serialize_checkpoint(snapshot)))
+        )
+        thread.start()
+        uploads.append(thread)
+
+    stamps: list[tuple[float, float]] = []
+
+    def on_progress(step: int, loss: float, lr: float, seconds: float) -> None:
+        stamps.append((time.perf_counter(), time.thread_time()))
+
+    trainer = Trainer(config)
+    inputs = [TrainingImage(name, data) for name, data in images]
+    _WriteAudit.opens = []
+    written = _write_bytes()
+    started = time.perf_counter()
+    _WriteAudit.active = True
+    try:
+        outcome = trainer.run(
+            instance_images=inputs,
+            hooks=TrainingHooks(on_progress=on_progress, on_checkpoint=on_checkpoint),
+        )
+        for thread in uploads:
+            thread.join()
+    finally:
+        _WriteAudit.active = False
+    wall = time.perf_counter() - started
+    disk = _write_bytes() - written
+    assert isinstance(outcome, Finished)
+    timings = trainer.timings
+    median_wall, median_cpu, _ = _step_figures(stamps, steps, checkpoint_every)
+    return (
+        Result(
+            trainer="lorafleet",
+            text_encoder=text_encoder,
+            steps=steps,
+            median_step_s=median_wall,
+            median_step_cpu_s=median_cpu,
+            # Measured directly: the training thread's time inside the snapshot.
+            checkpoint_stall_s=_median_steps(timings.snapshot_seconds),
+            checkpoints=len(timings.snapshot_seconds),
+            local_disk_bytes=disk,
+            lora_bytes=len(outcome.lora_weights),
+            wall_s=wall,
+            write_opens=len(_WriteAudit.opens),
+        ),
+        max(blob_sizes, default=0),
+    )
+
+
+def _shim_dir(python: str, work: Path) -> str:
+    probe = subprocess.run([python, "-c", "import torchvision"], capture_output=True, check=False)
+    if probe.returncode == 0:
+        return ""
+    root = work / "torchvision-shim"
+    for name, text in _SHIM_FILES.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(root)
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def run_reference(
+    script: Path,
+    model_dir: Path,
+    image_dir: Path,
+    work: Path,
+    *,
+    steps: int,
+    checkpoint_every: int,
+    resolution: int,
+    text_encoder: bool,
+    gpu: bool,
+    threads: int,
+) -> Result:
+    python = sys.executable
+    out = work / f"reference-out-te{int(text_encoder)}"
+    shutil.rmtree(out, ignore_errors=True)
+    times_file = work / "times.json"
+    args = [
+        f"--pretrained_model_name_or_path={model_dir}",
+        f"--instance_data_dir={image_dir}",
+        f"--instance_prompt={PROMPT}",
+        f"--output_dir={out}",
+        f"--resolution={resolution}",
+        "--train_batch_size=1",
+        f"--max_train_steps={steps}",
+        "--learning_rate=1e-4",
+        "--text_encoder_lr=5e-6",
+        "--lr_scheduler=constant",
+        "--lr_warmup_steps=0",
+        "--rank=4",
+        "--adam_weight_decay=1e-4",
+        "--adam_weight_decay_text_encoder=1e-4",
+        f"--checkpointing_steps={checkpoint_every}",
+        "--seed=0",
+        f"--mixed_precision={'bf16' if gpu else 'no'}",
+    ]
+    if text_encoder:
+        args.append("--train_text_encoder")
+    harness = _HARNESS.format(shim=_shim_dir(python, work), threads=threads)
+    started = time.perf_counter()
+    completed = subprocess.run(
+        [python, "-c", harness, str(script), str(times_file), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    wall = time.perf_counter() - started
+    if completed.returncode != 0:
+        sys.stderr.write(completed.stderr[-4000:])
+        raise SystemExit(f"reference script failed ({completed.returncode})")
+    stamps = [(float(w), float(c)) for w, c in json.loads(times_file.read_text())]
+    median_wall, median_cpu, stalls = _step_figures(stamps, steps, checkpoint_every)
+    lora = out / "pytorch_lora_weights.safetensors"
+    return Result(
+        trainer="diffusers script",
+        text_encoder=text_encoder,
+        steps=steps,
+        median_step_s=median_wall,
+        median_step_cpu_s=median_cpu,
+        checkpoint_stall_s=_median_steps(stalls),
+        checkpoints=len(stalls),
+        local_disk_bytes=_tree_bytes(out),
+        lora_bytes=lora.stat().st_size if lora.exists() else 0,
+        wall_s=wall,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reference", type=Path, help="path to train_dreambooth_lora_sdxl.py")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--images", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for both trainers (0: torch's default)",
+    )
+    parser.add_argument("--gpu", action="store_true", help="full-size SDXL at 1024 px, bf16")
+    parser.add_argument("--json", action="store_true", help="also print the results as JSON")
+    args = parser.parse_args(argv)
+
+    resolution = 1024 if args.gpu else 64
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _WriteAudit.install()
+    with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
+        work = Path(tmp)
+        model_dir = build_tiny_model(
+            work / "model",
+            preset="sdxl" if args.gpu else "tiny",
+            weights_dtype="bf16" if args.gpu else "fp32",
+        )
+        images = make_images(args.images, resolution)
+        image_dir = work / "images"
+        image_dir.mkdir()
+        for name, data in images:
+            (image_dir / name).write_bytes(data)
+
+        results: list[Result] = []
+        blob_bytes = 0
+        # Alternate the trainers and repeat: on a shared machine load comes and goes, and a
+        # ratio from one back-to-back pair can be off by several times.
+        for _ in range(args.repeats):
+            for text_encoder in (False, True):
+                result, blob_bytes = run_lorafleet(
+                    model_dir,
+                    images,
+                    steps=args.steps,
+                    checkpoint_every=args.checkpoint_every,
+                    resolution=resolution,
+                    text_encoder=text_encoder,
+                    gpu=args.gpu,
+                )
+                results.append(result)
+                if args.reference is not None:
+                    results.append(
+                        run_reference(
+                            args.reference,
+                            model_dir,
+                            image_dir,
+                            work,
+                            steps=args.steps,
+                            checkpoint_every=args.checkpoint_every,
+                            resolution=resolution,
+                            text_encoder=text_encoder,
+                            gpu=args.gpu,
+                            threads=args.threads,
+                        )
+                    )
+    report(results, blob_bytes)
+    if args.json:
+        print(json.dumps([asdict(r) for r in results]))
+
+
+def report(results: list[Result], blob_bytes: int) -> None:
+    """Per trainer and text-encoder setting: the median over repeats of each figure (the
+    fastest repeat's step time in brackets)."""
+    groups: dict[tuple[str, bool], list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.trainer, r.text_encoder), []).append(r)
+    ours = {
+        te: statistics.median(r.median_step_s for r in rs)
+        for (t, te), rs in groups.items()
+        if t == "lorafleet"
+    }
+    cpu_ours = {
+        te: statistics.median(r.median_step_cpu_s for r in rs)
+        for (t, te), rs in groups.items()
+        if t == "lorafleet"
+    }
+    print(
+        f"{'trainer':<17} {'TE':<3} {'s/step (min)':>16} {'ratio':>6} {'CPU s/step':>10}"
+        f" {'ratio':>6} {'stall s':>8} {'disk bytes':>11} {'LoRA bytes':>10} {'repeats':>7}"
+    )
+    for (trainer, te), rs in groups.items():
+        step = statistics.median(r.median_step_s for r in rs)
+        fastest = min(r.median_step_s for r in rs)
+        cpu = statistics.median(r.median_step_cpu_s for r in rs)
+        stall = statistics.median(r.checkpoint_stall_s for r in rs)
+        disk = max(r.local_disk_bytes for r in rs)
+        print(
+            f"{trainer:<17} {'yes' if te else 'no':<3} {step:>8.4f} ({fastest:.4f})"
+            f" {step / ours[te]:>6.2f} {cpu:>10.4f} {cpu / cpu_ours[te]:>6.2f}"
+            f" {stall:>8.4f} {disk:>11} {rs[-1].lora_bytes:>10} {len(rs):>7}"
+        )
+    print(f"lorafleet checkpoint blob (serialised off-thread, TE run): {blob_bytes} bytes")
+    opens = [r.write_opens for r in results if r.write_opens is not None]
+    print(f"lorafleet Python-level opens for writing during its runs: {sum(opens)}")
+
+
+if __name__ == "__main__":
+    main()
