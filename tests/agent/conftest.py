@@ -4,7 +4,7 @@ its local object store over HTTP, and the tiny SDXL-architecture model trained o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 from lorafleet.model import upload_key
@@ -29,6 +30,18 @@ WORKER_TOKEN = "agent-test-worker-token"
 OWNER = "alice"
 PREFIX = "dogs/rex"
 NUM_IMAGES = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread() -> Iterator[None]:
+    """The tiny model gains nothing from intra-op threads, and on a shared two-core machine
+    OpenMP threads spinning against the worker processes slow every step. Worker processes get
+    OMP_NUM_THREADS=1 likewise, so in-process reference runs and workers compute the same way
+    (a different thread count may sum in a different order). Restored after each module."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,8 @@ class Workers:
             "LORAFLEET_MIN_FREE_DISK_MB": "0",
             "LORAFLEET_MIN_FREE_MEMORY_MB": "0",
             "LORAFLEET_LOG_FORMAT": "json",
+            # As the in-process reference runs (conftest.one_intra_op_thread).
+            "OMP_NUM_THREADS": "1",
         }
         log_path = self.log_dir / f"worker-{machine_id}.log"
         with log_path.open("wb") as log_file:
