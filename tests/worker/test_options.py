@@ -12,9 +12,12 @@ import pytest
 import torch
 import transformers.modeling_utils
 from diffusers.optimization import get_scheduler
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from PIL import Image
 
-from lorafleet.worker.training import Finished, TrainingFailure, TrainingImage
+from lorafleet.worker.training import Finished, TrainingFailure, TrainingImage, loop
 from lorafleet.worker.training.serialization import safetensors_metadata
 from tests.worker.support import (
     SAMPLING_WARNING,
@@ -312,3 +315,36 @@ def test_validation_images_every_validation_steps_without_changing_training(
 def test_progress_interval_limits_reports(train: TrainFn) -> None:
     _, recorder = train(tiny_spec(max_train_steps=5), progress_interval_steps=2)
     assert [p[0] for p in recorder.progress] == [2, 4, 5]
+
+
+@pytest.mark.filterwarnings(SAMPLING_WARNING)
+def test_training_phases_are_traced(train: TrainFn, monkeypatch: pytest.MonkeyPatch) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(loop, "_tracer", provider.get_tracer("test"))
+    train(
+        tiny_spec(
+            max_train_steps=2,
+            checkpointing_steps=1,
+            validation_prompt="a photo of sks dog",
+            validation_steps=2,
+        )
+    )
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert set(spans) == {
+        "training.load_model",
+        "training.class_images",
+        "training.precompute",
+        "training.snapshot",
+        "training.validation",
+        "training.steps",
+    }
+    assert spans["training.precompute"].attributes == {
+        "lorafleet.latents_cached": True,
+        "lorafleet.embeddings_cached": True,
+    }
+    assert spans["training.steps"].attributes == {
+        "lorafleet.start_step": 0,
+        "lorafleet.end_step": 2,
+    }

@@ -21,6 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from diffusers.optimization import get_scheduler
+from opentelemetry import trace
 
 from lorafleet.spec import JobSpec
 from lorafleet.worker.training.checkpoint import (
@@ -61,6 +62,8 @@ from lorafleet.worker.training.objective import (
     snr_per_timestep,
 )
 from lorafleet.worker.training.sampling import generate_class_images, validation_images
+
+_tracer = trace.get_tracer("lorafleet.worker.training")
 
 StopReason = Literal["cancel", "drain"]
 ProgressHook = Callable[[int, float, float, float], None]
@@ -160,6 +163,7 @@ class Trainer:
     def __init__(self, config: TrainingConfig) -> None:
         self.config = config
         self.timings = RunTimings()
+        self._ran = False
 
     def run(
         self,
@@ -171,6 +175,9 @@ class Trainer:
     ) -> TrainingOutcome:
         """Blocks until the job finishes or is stopped. Every error leaves as a
         `TrainingFailure` (with the original as its cause) whose class the ledger acts on."""
+        if self._ran:
+            raise RuntimeError("a Trainer runs once; make a new one for another run")
+        self._ran = True
         run = _Run(self.config, hooks or TrainingHooks(), self.timings)
         try:
             return run.execute(instance_images, class_images, resume)
@@ -253,8 +260,12 @@ class _Run:
             else []
         )
         seed_everything(spec.seed)
-        self.components = load_components(self.config, self.runtime)
-        prepared_class = self.class_images(supplied_class)
+        with _tracer.start_as_current_span(
+            "training.load_model", attributes={"lorafleet.model": self.config.model_ref}
+        ):
+            self.components = load_components(self.config, self.runtime)
+        with _tracer.start_as_current_span("training.class_images"):
+            prepared_class = self.class_images(supplied_class)
         if prepared_class is None:
             return self.stopped()
         if resume is not None and resume.state.get("fingerprint") != job_fingerprint(
@@ -281,16 +292,27 @@ class _Run:
             train_text_encoder=spec.train_text_encoder,
         )
         self.enable_training_mode()
-        self.precompute_conditioning()
-        self.precompute_latents()
+        with _tracer.start_as_current_span("training.precompute") as span:
+            self.precompute_conditioning()
+            self.precompute_latents()
+            span.set_attribute("lorafleet.latents_cached", self.latent_moments is not None)
+            span.set_attribute("lorafleet.embeddings_cached", self.prompt_embeds is not None)
         self.build_optimization()
         if resume is not None:
-            self.restore(resume)
+            with _tracer.start_as_current_span(
+                "training.restore", attributes={"lorafleet.step": resume.step}
+            ):
+                self.restore(resume)
         self.start_step = self.step
-        try:
-            return self.train()
-        except _Cancelled:
-            return self.stopped()
+        with _tracer.start_as_current_span(
+            "training.steps", attributes={"lorafleet.start_step": self.start_step}
+        ) as span:
+            try:
+                outcome: TrainingOutcome = self.train()
+            except _Cancelled:
+                outcome = self.stopped()
+            span.set_attribute("lorafleet.end_step", self.step)
+            return outcome
 
     def stopped(self) -> Stopped:
         reason = self.pending_stop or "cancel"
@@ -474,7 +496,10 @@ class _Run:
             due = not final and self.step % spec.checkpointing_steps == 0
             if hooks.on_checkpoint is not None and due:
                 started = time.perf_counter()
-                snapshot = self.snapshot()
+                with _tracer.start_as_current_span(
+                    "training.snapshot", attributes={"lorafleet.step": self.step}
+                ):
+                    snapshot = self.snapshot()
                 self.timings.snapshot_seconds.append(time.perf_counter() - started)
                 hooks.on_checkpoint(snapshot)
             self.validate_if_due()
@@ -600,16 +625,19 @@ class _Run:
             or self.step % spec.validation_steps
         ):
             return
-        images = validation_images(
-            self.components,
-            prompt=spec.validation_prompt,
-            count=self.config.num_validation_images,
-            seed=spec.seed,
-            resolution=spec.resolution,
-            steps=self.config.sample_steps,
-            guidance_scale=self.config.guidance_scale,
-            device=self.runtime.device,
-        )
+        with _tracer.start_as_current_span(
+            "training.validation", attributes={"lorafleet.step": self.step}
+        ):
+            images = validation_images(
+                self.components,
+                prompt=spec.validation_prompt,
+                count=self.config.num_validation_images,
+                seed=spec.seed,
+                resolution=spec.resolution,
+                steps=self.config.sample_steps,
+                guidance_scale=self.config.guidance_scale,
+                device=self.runtime.device,
+            )
         hook(self.step, images)
 
     # Checkpoints --------------------------------------------------------------------------------
