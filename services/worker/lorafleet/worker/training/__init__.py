@@ -42,6 +42,13 @@ The interface the worker agent uses::
   into one verified blob (safetensors + JSON, nothing pickled) on any thread, and
   `load_checkpoint` reverses it. Resuming continues at step + 1 and, on the same kind of
   device, produces bit-identical LoRA weights to an uninterrupted run.
+* A resumed run checks the checkpoint's fingerprint (weight-relevant spec fields, instance
+  images and captions, class-image digests) and raises `CorruptCheckpoint` when it was taken
+  for other settings or data, so the caller can fall back to an older one. Class images are
+  ordered by content digest: pass back the generated ones under any names.
+* `Trainer.timings` (`RunTimings`) holds per-step and per-snapshot wall times; the phases are
+  OpenTelemetry spans (`training.load_model`, `.class_images`, `.precompute`, `.restore`,
+  `.steps`, `.snapshot`, `.validation`) under the caller's current span.
 * Nothing is written to local disk by a run (model files are only read; a hub id is downloaded
   into `cache_dir` by `from_pretrained` when no local directory is configured).
 """
