@@ -149,6 +149,8 @@ class TcpProxy:
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     connections: int = 0
+    # While set, bytes from clients are swallowed: what a client writes is lost on the way.
+    blackhole: bool = False
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -163,8 +165,8 @@ class TcpProxy:
             return
         self._writers.update((writer, up_writer))
         pumps = [
-            asyncio.ensure_future(self._pump(reader, up_writer)),
-            asyncio.ensure_future(self._pump(up_reader, writer)),
+            asyncio.ensure_future(self._pump(reader, up_writer, upstream=True)),
+            asyncio.ensure_future(self._pump(up_reader, writer, upstream=False)),
         ]
         self._tasks.update(pumps)
         await asyncio.gather(*pumps, return_exceptions=True)
@@ -173,10 +175,13 @@ class TcpProxy:
             self._writers.discard(w)
             w.close()
 
-    @staticmethod
-    async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, upstream: bool
+    ) -> None:
         try:
             while data := await reader.read(65536):
+                if upstream and self.blackhole:
+                    continue
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):

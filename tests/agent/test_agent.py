@@ -24,6 +24,7 @@ from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.model import upload_key
 from lorafleet.scheduler.fleet import SessionState
 from lorafleet.worker.agent import Agent, State
+from lorafleet.worker.lease_runner import LeaseResult
 from lorafleet.worker.qualify import QualificationResult
 from lorafleet.worker.training import (
     Finished,
@@ -581,3 +582,40 @@ async def test_generated_class_and_validation_images_are_stored_and_reused_on_re
     data = await fleet.scheduler.storage.get_bytes(done.result.key)
     reference = await asyncio.to_thread(reference_lora, fleet, spec)
     assert hashlib.sha256(data).hexdigest() == hashlib.sha256(reference).hexdigest()
+
+
+async def test_a_result_lost_with_the_stream_is_sent_again_after_reconnecting(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    from tests.agent.support import TcpProxy
+
+    proxy = TcpProxy(target_port=fleet.scheduler.port)
+    await proxy.start()
+    observer = Observer(hold_at=2)
+    config = fleet.worker_config("m1", scheduler_address=f"127.0.0.1:{proxy.port}")
+    agent = Agent(config, trainer_factory=observer, qualification=cpu_qualification)
+    try:
+        async with running(agent):
+            job = await fleet.client.submit(max_train_steps=2, checkpointing_steps=1000)
+            run = await observer.run(0)
+            observer.hold_at = None
+            assert await asyncio.to_thread(run.reached.wait, WAIT_S)
+            # From now on nothing the worker writes arrives: JobSucceeded is lost in transit.
+            proxy.blackhole = True
+            run.release.set()
+            async with asyncio.timeout(WAIT_S):
+                await agent.wait_until(
+                    lambda a: not a.busy and a.recent_leases[-1].result is LeaseResult.SUCCEEDED
+                )
+            assert (await fleet.client.get(job.job_id)).state == pb.JOB_STATE_RUNNING
+            proxy.blackhole = False
+            proxy.cut()
+            # Hello names the finished lease; the scheduler still holds it live, so the worker
+            # says JobSucceeded again.
+            done = await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED)
+    finally:
+        await proxy.close()
+    timeline = kinds(await fleet.client.events(job.job_id))
+    assert "LEASE_RESUMED" in timeline and timeline.count("LEASE_GRANTED") == 1
+    data = await fleet.scheduler.storage.get_bytes(done.result.key)
+    assert hashlib.sha256(data).hexdigest() == done.result.sha256
