@@ -72,7 +72,8 @@ class WorkerConfig:
     and `gpu_model` / `vram_mb` overrides (None: what the probe measures). Qualification:
     `allow_cpu` and the floors. Training: where the model comes from and how images are
     sampled (`TrainingConfig`'s machine-side fields). Behaviour: `drain_grace_s` bounds a
-    graceful stop; `checkpoint_uploads_in_flight` bounds checkpoint memory.
+    graceful stop. (Checkpoint memory is bounded by design: one snapshot uploading, one
+    waiting; see `lease_runner.CheckpointPipeline`.)
     """
 
     worker_token: str
@@ -114,9 +115,6 @@ class WorkerConfig:
     # Lease behaviour.
     # SIGTERM/Shutdown: the whole drain (stop, snapshot, upload, commit, Draining) within this.
     drain_grace_s: float = 25.0
-    # Checkpoint uploads running at once; one more newest snapshot may wait (older ones are
-    # dropped), so at most this + 1 snapshots are held in memory.
-    checkpoint_uploads_in_flight: int = 1
     download_concurrency: int = 8
     # Class and validation image uploads running at once.
     artifact_upload_concurrency: int = 4
@@ -146,7 +144,6 @@ class WorkerConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive")
         for name in (
-            "checkpoint_uploads_in_flight",
             "download_concurrency",
             "artifact_upload_concurrency",
             "sample_steps",

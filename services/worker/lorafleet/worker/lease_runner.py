@@ -469,6 +469,7 @@ class LeaseRunner:
             except CorruptCheckpoint as exc:
                 if resume is None:
                     raise
+                self._phase = _Phase.PREPARING
                 # The blob verified but does not fit this job (other data or settings).
                 await self._notice(
                     f"checkpoint at step {resume.step} was skipped: {exc}; trying an older one"
