@@ -42,11 +42,7 @@ SELECT * FROM inserted;
 SELECT * FROM jobs WHERE owner = $1 AND idempotency_key = ANY($2::text[]);
 
 -- name: get_job
-SELECT j.*, (SELECT sum(extract(epoch FROM
-                 CASE WHEN l.end_reason = 'expired' THEN l.last_heartbeat_at
-                      ELSE coalesce(l.ended_at, greatest(l.last_heartbeat_at, now())) END
-                 - l.granted_at))
-             FROM leases l WHERE l.job_id = j.job_id) AS gpu_seconds
+SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds
 FROM jobs j WHERE j.job_id = $1 AND j.owner = $2;
 
 -- name: get_job_any_owner
@@ -54,11 +50,7 @@ SELECT * FROM jobs WHERE job_id = $1;
 
 -- name: list_jobs
 -- Keyset pagination on (created_at, job_id), newest first. $3: '{}' matches every job.
-SELECT j.*, (SELECT sum(extract(epoch FROM
-                 CASE WHEN l.end_reason = 'expired' THEN l.last_heartbeat_at
-                      ELSE coalesce(l.ended_at, greatest(l.last_heartbeat_at, now())) END
-                 - l.granted_at))
-             FROM leases l WHERE l.job_id = j.job_id) AS gpu_seconds
+SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds
 FROM jobs j
 WHERE owner = $1
   AND (cardinality($2::text[]) = 0 OR state = ANY($2::text[]))
