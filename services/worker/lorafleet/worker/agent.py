@@ -417,11 +417,20 @@ class Agent:
             version=lorafleet.__version__,
         )
         runner = self._runner
+        unconfirmed = self._unconfirmed()
         if runner is not None and runner.holds_lease:
             hello.held_lease.CopyFrom(runner.ref)
-        elif self._terminal is not None:
-            hello.held_lease.CopyFrom(self._terminal.ref)
+        elif unconfirmed is not None:
+            hello.held_lease.CopyFrom(unconfirmed.ref)
         return hello
+
+    def _unconfirmed(self) -> _Terminal | None:
+        """The last lease's final message, until the scheduler is known to have read it."""
+        runner = self._runner
+        if runner is not None and runner.terminal_message is not None:
+            # Sent, but the runner is still closing down (its task has not ended yet).
+            return _Terminal(ref=runner.ref, message=runner.terminal_message)
+        return self._terminal
 
     async def _open_session(self) -> _Session:
         """A stream that has been welcomed, or `_StreamFailed`."""
@@ -534,7 +543,9 @@ class Agent:
     def _on_welcome(self, session: _Session, welcome: fpb.Welcome) -> None:
         resumed = welcome.resumed_lease
         runner = self._runner
-        terminal, self._terminal = self._terminal, None
+        terminal = self._unconfirmed()
+        # Whatever it was, this Welcome settles it: re-sent below, or the scheduler has it.
+        self._terminal = None
         self._log.info(
             "connected",
             scheduler_id=welcome.scheduler_id,
@@ -548,7 +559,9 @@ class Agent:
                 return
             # The lease expired (or was re-granted) while we were away: drop the work.
             runner.cancel("the lease was not resumed after reconnecting")
-        elif terminal is not None and same_lease(terminal.ref, resumed.lease_id, resumed.epoch):
+        if runner is not None and runner.terminal_message is not None:
+            runner.terminal_confirmed = True  # settled here, not again when its task ends
+        if terminal is not None and same_lease(terminal.ref, resumed.lease_id, resumed.epoch):
             # The job is still RUNNING under our lease: the result never arrived. Say it again.
             self._log.info("re-sending the lease's final message after reconnecting")
             session.send(terminal.message)
@@ -615,7 +628,7 @@ class Agent:
         finally:
             if self._runner is runner:
                 self._runner = None
-            if runner.terminal_message is not None:
+            if runner.terminal_message is not None and not runner.terminal_confirmed:
                 self._terminal = _Terminal(ref=runner.ref, message=runner.terminal_message)
             if self._state is State.LEASED:
                 self._set_state(State.IDLE)

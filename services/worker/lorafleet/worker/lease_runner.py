@@ -310,6 +310,8 @@ class LeaseRunner:
         # JobSucceeded or JobFailed once sent: the agent re-sends it if the stream broke before
         # the scheduler could have read it.
         self.terminal_message: fpb.ConnectRequest | None = None
+        # Set by the agent once a reconnect has settled whether the scheduler got it.
+        self.terminal_confirmed = False
         self.committed_steps: list[int] = []
         # Notices sent about this lease (e.g. a corrupt checkpoint skipped on resume).
         self.notices: list[str] = []
