@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.model import upload_key
 from lorafleet.scheduler.fleet import SessionState
-from lorafleet.worker.agent import Agent, State
+from lorafleet.worker.agent import Agent, AgentError, State
 from lorafleet.worker.lease_runner import LeaseResult
 from lorafleet.worker.qualify import QualificationResult
 from lorafleet.worker.training import (
@@ -619,3 +619,15 @@ async def test_a_result_lost_with_the_stream_is_sent_again_after_reconnecting(
     assert "LEASE_RESUMED" in timeline and timeline.count("LEASE_GRANTED") == 1
     data = await fleet.scheduler.storage.get_bytes(done.result.key)
     assert hashlib.sha256(data).hexdigest() == done.result.sha256
+
+
+async def test_a_refused_token_stops_the_worker_with_an_error(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    agent = Agent(
+        fleet.worker_config("m1", worker_token="not-the-token"), qualification=cpu_qualification
+    )
+    async with agent:
+        with pytest.raises(AgentError, match="refused this worker"):
+            await asyncio.wait_for(agent.run(), WAIT_S)
+    assert agent.state is State.STOPPED
