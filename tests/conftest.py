@@ -7,7 +7,6 @@ embedded pgserver started for the session (a fresh machine with no Postgres stil
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,29 +14,16 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
-import structlog
 
 from lorafleet.scheduler.database import EmbeddedPostgres, migrate
 from lorafleet.scheduler.ledger import Ledger
+from lorafleet.telemetry import configure_logging
 
 DEFAULT_TEST_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
-class _CurrentStderr:
-    """Whatever sys.stderr is now: pytest swaps it per test, and logs must follow."""
-
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-
 # In-process services log to stderr, so a command's stdout stays its own output.
-structlog.configure(
-    processors=[structlog.processors.add_log_level, structlog.dev.ConsoleRenderer(colors=False)],
-    logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
-)
+configure_logging(fmt="console")
 
 
 def with_database(url: str, name: str) -> str:

@@ -188,3 +188,39 @@ async def test_cli_batch_cancel_and_errors(
         "dogs/rex",
     )
     assert code == 1 and "max_train_steps" in err
+
+
+async def test_cli_keys_admin(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = fleet.scheduler.database_url
+    code, out, err = await lorafleet(
+        capsys,
+        monkeypatch,
+        fleet,
+        "keys",
+        "--database-url",
+        url,
+        "create",
+        "carol",
+        "--webhook-url",
+        "https://example.test/hook",
+    )
+    assert code == 0 and out.startswith("lf_") and "webhook secret:" in err
+    carol_key = out.strip()
+    key_id = carol_key.split("_")[1]
+    code, out, _ = await lorafleet(
+        capsys, monkeypatch, fleet, "keys", "--database-url", url, "list"
+    )
+    assert code == 0 and f"{key_id}  carol" in out
+    monkeypatch.setenv("LORAFLEET_API_KEY", carol_key)
+    code = await asyncio.to_thread(main, ["list"])
+    assert code == 0
+    code, _, _ = await lorafleet(
+        capsys, monkeypatch, fleet, "keys", "--database-url", url, "revoke", key_id
+    )
+    assert code == 0
+    code, _, err = await lorafleet(
+        capsys, monkeypatch, fleet, "keys", "--database-url", url, "create", "Bad Owner"
+    )
+    assert code == 1 and err.startswith("error: owner")

@@ -125,7 +125,7 @@ async def test_up_restarted_mid_job_resumes_from_its_checkpoint(tmp_path: Path) 
     spec = {
         "instance_prompt": "a photo of sks dog",
         "instance_data_prefix": "rex",
-        "max_train_steps": 40,
+        "max_train_steps": 150,
         "checkpointing_steps": 5,
         "resolution": 64,
         "base_model": str(model),
@@ -156,8 +156,11 @@ async def test_up_restarted_mid_job_resumes_from_its_checkpoint(tmp_path: Path) 
     assert EventKind.DRAINED in kinds
     grants = [e for e in timeline if e.kind is EventKind.LEASE_GRANTED]
     assert [g.epoch for g in grants] == [1, 2]
-    second_epoch_steps = [
-        e.step for e in timeline if e.kind is EventKind.HEARTBEAT and e.epoch == 2 and e.step
+    second_attempt_checkpoints = [
+        e.step
+        for e in timeline
+        if e.kind is EventKind.CHECKPOINT_COMMITTED and e.epoch == 2 and e.step
     ]
-    # The second attempt continued from the checkpoint instead of starting over.
-    assert second_epoch_steps and min(second_epoch_steps) > resumed_from
+    # The second attempt continued from the checkpoint: one that had started over would have
+    # committed step 5 again first.
+    assert second_attempt_checkpoints and min(second_attempt_checkpoints) > resumed_from

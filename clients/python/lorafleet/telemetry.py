@@ -15,6 +15,16 @@ import sys
 import structlog
 
 
+class _Stderr:
+    """Writes to whatever sys.stderr is at the time (it is replaced under test capture)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(*, level: str | None = None, fmt: str | None = None) -> None:
     level_name = (level or os.environ.get("LORAFLEET_LOG_LEVEL", "INFO")).upper()
     fmt = fmt or os.environ.get("LORAFLEET_LOG_FORMAT", "json")
@@ -31,7 +41,7 @@ def configure_logging(*, level: str | None = None, fmt: str | None = None) -> No
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level_name)),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
 
