@@ -453,14 +453,14 @@ async def test_unqualified_worker_stays_connected_without_work(fleet: Fleet) -> 
         assert session.state is SessionState.UNQUALIFIED
 
 
-async def test_scheduler_shutdown_stops_an_idle_worker(
+async def test_shutdown_message_stops_an_idle_worker(
     fleet: Fleet, cpu_qualification: QualificationResult
 ) -> None:
     agent = Agent(fleet.worker_config("m1"), qualification=cpu_qualification)
     async with running(agent) as task:
         async with asyncio.timeout(WAIT_S):
             await agent.wait_for_state(State.IDLE)
-        await fleet.scheduler.shutdown()  # sends Shutdown to every worker
+        assert fleet.scheduler.fleet.stop_worker("m1", "scale down")  # sends Shutdown
         async with asyncio.timeout(WAIT_S):
             await task
     assert agent.state is State.STOPPED
@@ -493,6 +493,8 @@ async def test_renewed_urls_replace_expired_ones(
 async def test_training_spans_join_the_jobs_trace(
     fleet: Fleet, cpu_qualification: QualificationResult, span_exporter: InMemorySpanExporter
 ) -> None:
+    # The exporter is the session's: forget earlier tests' spans so every span below is ours.
+    span_exporter.clear()
     agent = Agent(fleet.worker_config("m1"), qualification=cpu_qualification)
     async with running(agent):
         job = await fleet.client.submit(max_train_steps=2, checkpointing_steps=1)

@@ -12,6 +12,7 @@ import pytest
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.model import checkpoint_key, result_key
+from lorafleet.scheduler.ledger import Ledger
 from tests.scheduler.conftest import Fleet
 from tests.scheduler.harness import connect_worker
 
@@ -361,3 +362,21 @@ async def test_list_jobs_filters_and_pages(fleet: Fleet) -> None:
         pb.ListJobsRequest(states=[pb.JOB_STATE_RUNNING]), metadata=fleet.alice.metadata
     )
     assert list(queued.jobs) == []
+
+
+async def test_scheduler_stop_ends_streams_without_telling_workers_to_stop(fleet: Fleet) -> None:
+    """A replica restart must not drain the fleet: workers reconnect and keep their leases."""
+    await fleet.alice.submit()
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        granted = await worker.ready_for_lease()
+        await fleet.scheduler.shutdown()
+        rest = []
+        while (message := await worker.call.read()) is not grpc.aio.EOF:
+            rest.append(message.WhichOneof("message"))
+        assert "shutdown" not in rest
+    ledger = await Ledger.connect(fleet.scheduler.database_url, min_size=1, max_size=1)
+    try:
+        job = await ledger.get_job_any_owner(granted.lease.job_id)
+    finally:
+        await ledger.close()
+    assert job is not None and job.lease_id == granted.lease.lease_id  # still its lease

@@ -674,9 +674,20 @@ class Fleet:
                 log.exception("sweep failed")
             await sleep(interval_s)
 
-    async def shutdown(self, reason: str) -> None:
+    def stop_worker(self, machine_id: str, reason: str) -> bool:
+        """Tells one connected worker to drain and exit (scale-down, a bad node); False if it is
+        not connected to this replica."""
+        session = self._sessions.get(machine_id)
+        if session is None:
+            return False
+        session.state = SessionState.DRAINING
+        session.send(fpb.ConnectResponse(shutdown=fpb.Shutdown(reason=reason)))
+        return True
+
+    async def shutdown(self) -> None:
+        """This replica is stopping: its streams end, and workers reconnect (to another replica,
+        or to this one restarted) keeping their leases; they are not told to stop."""
         for session in list(self._sessions.values()):
-            session.send(fpb.ConnectResponse(shutdown=fpb.Shutdown(reason=reason)))
             self.close_session(session)
         for task in list(self._background):
             task.cancel()

@@ -225,12 +225,12 @@ class Scheduler:
                 raise task.exception()  # type: ignore[misc]
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
-        """Idempotent: tells workers, stops serving, then closes every component."""
+        """Idempotent: ends the worker streams, stops serving, then closes every component."""
         if self._shutdown_started:
             return
         self._shutdown_started = True
         if self._fleet is not None:
-            await self._fleet.shutdown("scheduler stopping")
+            await self._fleet.shutdown()
         if self._server is not None:
             await self._server.stop(grace_s)
         for task in self._tasks:
