@@ -252,7 +252,8 @@ WITH target AS (
     UPDATE jobs j
     SET state = 'SUCCEEDED', lease_id = NULL, machine_id = NULL, lease_expires_at = NULL,
         result_key = $3, result_bytes = $4, result_sha256 = $5,
-        progress_step = $6, progress_loss = $7,
+        progress_step = $6, progress_loss = $7, progress_at = now(),
+        progress_machine_id = t.machine_id,
         finished_at = now(), updated_at = now()
     FROM target t WHERE j.job_id = t.job_id
     RETURNING j.*
