@@ -84,13 +84,15 @@ class JobHandler:
         """All or nothing: every spec is checked (and its data found) before any row is written."""
         if not 1 <= len(submissions) <= MAX_BATCH:
             raise InvalidArgument("jobs", f"must hold 1 to {MAX_BATCH} jobs")
+        # A batch usually shares its data prefixes: list each distinct one once.
+        has_files: dict[str, bool] = {}
         for i, sub in enumerate(submissions):
             prefix = "spec" if len(submissions) == 1 else f"jobs[{i}].spec"
             if len(sub.idempotency_key) > 200 or "\x00" in sub.idempotency_key:
                 raise InvalidArgument(
                     prefix.replace("spec", "idempotency_key"), "at most 200 characters, no NUL"
                 )
-            await self._check_data(owner, sub.spec, prefix)
+            await self._check_data(owner, sub.spec, prefix, has_files)
         with tracer.start_as_current_span("lorafleet.submit", attributes={"owner": owner}) as span:
             carrier: dict[str, str] = {}
             TraceContextTextMapPropagator().inject(carrier)
@@ -109,16 +111,21 @@ class JobHandler:
             log.info("job submitted", job_id=job.job_id, owner=owner)
         return jobs
 
-    async def _check_data(self, owner: str, spec: JobSpec, prefix: str) -> None:
-        found = await self._storage.list(upload_key(owner, spec.instance_data_prefix))
-        if not found:
+    async def _check_data(
+        self, owner: str, spec: JobSpec, prefix: str, has_files: dict[str, bool]
+    ) -> None:
+        async def exists(data_prefix: str) -> bool:
+            if data_prefix not in has_files:
+                listed = await self._storage.list(upload_key(owner, data_prefix))
+                has_files[data_prefix] = bool(listed)
+            return has_files[data_prefix]
+
+        if not await exists(spec.instance_data_prefix):
             raise InvalidArgument(
                 f"{prefix}.instance_data_prefix",
                 f"no files under {spec.instance_data_prefix!r}: upload the images first",
             )
-        if spec.class_data_prefix and not await self._storage.list(
-            upload_key(owner, spec.class_data_prefix)
-        ):
+        if spec.class_data_prefix and not await exists(spec.class_data_prefix):
             raise InvalidArgument(
                 f"{prefix}.class_data_prefix", f"no files under {spec.class_data_prefix!r}"
             )
