@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from lorafleet.spec import JobSpec
+from lorafleet.core.spec import JobSpec
 from lorafleet.worker.tiny_model import build_tiny_model
 from lorafleet.worker.training import (
     Finished,
@@ -219,6 +219,8 @@ class Result:
     wall_s: float
     # lorafleet only: Python-level opens for writing seen by the audit hook.
     write_opens: int | None = None
+    # lorafleet only: the first step's seconds (with --compile, torch.compile's warm-up).
+    first_step_s: float | None = None
 
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
@@ -296,6 +298,7 @@ def run_lorafleet(
     resolution: int,
     text_encoder: bool,
     gpu: bool,
+    compile_model: bool = False,
 ) -> tuple[Result, int]:
     spec = JobSpec(
         instance_prompt=PROMPT,
@@ -315,7 +318,11 @@ def run_lorafleet(
         seed=0,
     )
     config = TrainingConfig(
-        spec=spec, model_path=str(model_dir), local_files_only=True, device="auto"
+        spec=spec,
+        model_path=str(model_dir),
+        local_files_only=True,
+        device="auto",
+        compile_model=compile_model,
     )
     blob_sizes: list[int] = []
     uploads: list[threading.Thread] = []
@@ -355,7 +362,7 @@ def run_lorafleet(
     median_wall, median_cpu, _ = _step_figures(stamps, steps, checkpoint_every)
     return (
         Result(
-            trainer="lorafleet",
+            trainer="lorafleet compiled" if compile_model else "lorafleet",
             text_encoder=text_encoder,
             steps=steps,
             median_step_s=median_wall,
@@ -367,6 +374,7 @@ def run_lorafleet(
             lora_bytes=len(outcome.lora_weights),
             wall_s=wall,
             write_opens=len(_WriteAudit.opens),
+            first_step_s=timings.step_seconds[0],
         ),
         max(blob_sizes, default=0),
     )
@@ -470,6 +478,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--gpu", action="store_true", help="full-size SDXL at 1024 px, bf16")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also train lorafleet with compile_model (torch.compile); its warm-up is reported",
+    )
     args = parser.parse_args(argv)
 
     resolution = 1024 if args.gpu else 64
@@ -495,16 +508,18 @@ def main(argv: list[str] | None = None) -> None:
         # ratio from one back-to-back pair can be off by several times.
         for _ in range(args.repeats):
             for text_encoder in (False, True):
-                result, blob_bytes = run_lorafleet(
-                    model_dir,
-                    images,
-                    steps=args.steps,
-                    checkpoint_every=args.checkpoint_every,
-                    resolution=resolution,
-                    text_encoder=text_encoder,
-                    gpu=args.gpu,
-                )
-                results.append(result)
+                for compile_model in (False, True) if args.compile else (False,):
+                    result, blob_bytes = run_lorafleet(
+                        model_dir,
+                        images,
+                        steps=args.steps,
+                        checkpoint_every=args.checkpoint_every,
+                        resolution=resolution,
+                        text_encoder=text_encoder,
+                        gpu=args.gpu,
+                        compile_model=compile_model,
+                    )
+                    results.append(result)
                 if args.reference is not None:
                     results.append(
                         run_reference(
@@ -531,19 +546,22 @@ def report(results: list[Result], blob_bytes: int) -> None:
     groups: dict[tuple[str, bool], list[Result]] = {}
     for r in results:
         groups.setdefault((r.trainer, r.text_encoder), []).append(r)
+    # Ratios are to the diffusers script's figure (to eager lorafleet's without --reference).
+    base = "diffusers script" if any(t == "diffusers script" for t, _ in groups) else "lorafleet"
     ours = {
         te: statistics.median(r.median_step_s for r in rs)
         for (t, te), rs in groups.items()
-        if t == "lorafleet"
+        if t == base
     }
     cpu_ours = {
         te: statistics.median(r.median_step_cpu_s for r in rs)
         for (t, te), rs in groups.items()
-        if t == "lorafleet"
+        if t == base
     }
     print(
-        f"{'trainer':<17} {'TE':<3} {'s/step (min)':>16} {'ratio':>6} {'CPU s/step':>10}"
+        f"{'trainer':<18} {'TE':<3} {'s/step (min)':>16} {'ratio':>6} {'CPU s/step':>10}"
         f" {'ratio':>6} {'stall s':>8} {'disk bytes':>11} {'LoRA bytes':>10} {'repeats':>7}"
+        f" {'1st step s':>10} {'wall s':>7}"
     )
     for (trainer, te), rs in groups.items():
         step = statistics.median(r.median_step_s for r in rs)
@@ -551,10 +569,13 @@ def report(results: list[Result], blob_bytes: int) -> None:
         cpu = statistics.median(r.median_step_cpu_s for r in rs)
         stall = statistics.median(r.checkpoint_stall_s for r in rs)
         disk = max(r.local_disk_bytes for r in rs)
+        firsts = [r.first_step_s for r in rs if r.first_step_s is not None]
+        first = f"{statistics.median(firsts):>10.2f}" if firsts else f"{'-':>10}"
+        wall = statistics.median(r.wall_s for r in rs)
         print(
-            f"{trainer:<17} {'yes' if te else 'no':<3} {step:>8.4f} ({fastest:.4f})"
+            f"{trainer:<18} {'yes' if te else 'no':<3} {step:>8.4f} ({fastest:.4f})"
             f" {step / ours[te]:>6.2f} {cpu:>10.4f} {cpu / cpu_ours[te]:>6.2f}"
-            f" {stall:>8.4f} {disk:>11} {rs[-1].lora_bytes:>10} {len(rs):>7}"
+            f" {stall:>8.4f} {disk:>11} {rs[-1].lora_bytes:>10} {len(rs):>7} {first} {wall:>7.1f}"
         )
     print(f"lorafleet checkpoint blob (serialised off-thread, TE run): {blob_bytes} bytes")
     opens = [r.write_opens for r in results if r.write_opens is not None]

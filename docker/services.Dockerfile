@@ -46,10 +46,11 @@ RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin lorafleet \
 WORKDIR /tmp/lorafleet-src
 COPY pyproject.toml README.md ./
 COPY protos ./protos
+COPY core ./core
 COPY clients ./clients
 COPY services ./services
 RUN pip install . \
- && python -c "import lorafleet.scheduler.server, lorafleet.cli.main" \
+ && python -c "import lorafleet.scheduler.server, lorafleet.app.main" \
  && cd / && rm -rf /tmp/lorafleet-src
 
 USER lorafleet

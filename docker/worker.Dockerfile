@@ -61,6 +61,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /tmp/lorafleet-src
 COPY pyproject.toml README.md ./
 COPY protos ./protos
+COPY core ./core
 COPY clients ./clients
 COPY services ./services
 RUN pip install ".[worker]" ${EXTRA_PACKAGES} \

@@ -15,9 +15,9 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
+from lorafleet.core.telemetry import configure_logging
 from lorafleet.scheduler.database import EmbeddedPostgres, migrate
 from lorafleet.scheduler.ledger import Ledger
-from lorafleet.telemetry import configure_logging
 
 DEFAULT_TEST_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 

@@ -14,8 +14,9 @@ import grpc
 import pytest
 import torch
 
+from lorafleet.core.model import upload_key
+from lorafleet.core.settings import load
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
-from lorafleet.model import upload_key
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.config import SchedulerConfig
 from lorafleet.scheduler.server import Scheduler
@@ -72,7 +73,8 @@ class Fleet:
             local_files_only=True,
             sample_steps=2,
             sample_batch_size=2,
-            num_validation_images=1,
+            # A report after every step: tests hold the trainer inside a given step's report.
+            progress_interval_s=0.0,
             min_free_disk_mb=0,
             min_free_memory_mb=0,
             reconnect_initial_backoff_s=0.05,
@@ -85,7 +87,7 @@ class Fleet:
             ),
         )
         values.update(overrides)
-        return WorkerConfig(**values)
+        return load(WorkerConfig, env={}, **values)
 
 
 def scheduler_config(database_url: str, data_dir: Path, **overrides: Any) -> SchedulerConfig:
@@ -130,7 +132,14 @@ async def fleet(
 def cpu_qualification() -> QualificationResult:
     """One real probe result reused by tests that are not about qualification."""
     return probe(
-        WorkerConfig(worker_token="x", allow_cpu=True, min_free_disk_mb=0, min_free_memory_mb=0)
+        load(
+            WorkerConfig,
+            env={},
+            worker_token="x",
+            allow_cpu=True,
+            min_free_disk_mb=0,
+            min_free_memory_mb=0,
+        )
     )
 
 

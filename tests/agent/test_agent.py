@@ -20,11 +20,11 @@ import pytest
 import safetensors.torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from lorafleet.core.model import RESULT_FILE_NAMES, upload_key
 from lorafleet.jobs.v1 import jobs_pb2 as pb
-from lorafleet.model import upload_key
-from lorafleet.scheduler.fleet import SessionState
+from lorafleet.scheduler.sessions import SessionState
 from lorafleet.worker.agent import Agent, AgentError, State
-from lorafleet.worker.lease_runner import LeaseResult
+from lorafleet.worker.lease_runner import LeaseResult, LeaseRunner
 from lorafleet.worker.qualify import QualificationResult
 from lorafleet.worker.training import (
     Finished,
@@ -95,7 +95,6 @@ class ObservedTrainer:
             should_stop=stop,
             on_checkpoint=hooks.on_checkpoint,
             on_class_images=generated,
-            on_validation_images=hooks.on_validation_images,
         )
         try:
             self.outcome = self.trainer.run(
@@ -147,7 +146,6 @@ def reference_lora(fleet: Fleet, spec: Any) -> bytes:
         device="cpu",
         sample_steps=worker.sample_steps,
         sample_batch_size=worker.sample_batch_size,
-        num_validation_images=worker.num_validation_images,
     )
     outcome = Trainer(config).run(instance_images=images_from_files(files))
     assert isinstance(outcome, Finished)
@@ -362,11 +360,13 @@ async def test_unusable_images_fail_the_job_as_input_naming_each_file(
     await store.put_bytes(upload_key(OWNER, "mixed", "good.png"), png(1))
     await store.put_bytes(upload_key(OWNER, "mixed", "small.png"), png(2, size=16))
     await store.put_bytes(upload_key(OWNER, "mixed", "notes.png"), b"this is not an image")
-    agent = Agent(fleet.worker_config("m1"), qualification=cpu_qualification)
-    async with running(agent):
+    # Two machines: one machine's input fault only bans it (a second must confirm it).
+    first = Agent(fleet.worker_config("m1"), qualification=cpu_qualification)
+    second = Agent(fleet.worker_config("m2"), qualification=cpu_qualification)
+    async with running(first), running(second):
         job = await fleet.client.submit(instance_data_prefix="mixed")
         failed = await fleet.client.wait_state(job.job_id, pb.JOB_STATE_FAILED)
-    assert failed.failure_class == pb.FAILURE_CLASS_INPUT
+    assert failed.failure_class == pb.FAILURE_CLASS_INPUT and failed.failures == 0
     assert "small.png" in failed.error and "too small" in failed.error
     assert "notes.png" in failed.error and "unreadable" in failed.error
     assert "good.png" not in failed.error
@@ -449,7 +449,7 @@ async def test_unqualified_worker_stays_connected_without_work(fleet: Fleet) -> 
             await agent.wait_for_state(State.IDLE)
         assert agent.qualification is not None and not agent.qualification.passed
         assert "--allow-cpu" in agent.qualification.detail
-        session = fleet.scheduler.fleet.sessions["m1"]
+        session = fleet.scheduler.sessions.by_machine["m1"]
         assert session.state is SessionState.UNQUALIFIED
 
 
@@ -460,7 +460,7 @@ async def test_shutdown_message_stops_an_idle_worker(
     async with running(agent) as task:
         async with asyncio.timeout(WAIT_S):
             await agent.wait_for_state(State.IDLE)
-        assert fleet.scheduler.fleet.stop_worker("m1", "scale down")  # sends Shutdown
+        assert fleet.scheduler.sessions.stop_worker("m1", "scale down")  # sends Shutdown
         async with asyncio.timeout(WAIT_S):
             await task
     assert agent.state is State.STOPPED
@@ -479,7 +479,7 @@ async def test_renewed_urls_replace_expired_ones(
         run = await observer.run(0)
         assert await asyncio.to_thread(run.reached.wait, WAIT_S)
         runner = agent.runner
-        assert runner is not None
+        assert isinstance(runner, LeaseRunner)
         # The scheduler renews a lease's URLs when a third of their life is left; after two
         # renewals the grant's 2-second result URL has expired.
         async with asyncio.timeout(WAIT_S):
@@ -516,9 +516,19 @@ async def test_training_spans_join_the_jobs_trace(
         and s.attributes
         and s.attributes.get("lorafleet.job_id") == job.job_id
     ]
+    (grant,) = [
+        s
+        for s in spans
+        if s.name == "scheduler.grant"
+        and s.attributes
+        and s.attributes.get("lorafleet.job_id") == job.job_id
+    ]
     assert submit.context is not None and lease.context is not None and lease.parent is not None
+    assert grant.context is not None and grant.parent is not None
     assert lease.context.trace_id == submit.context.trace_id
-    assert lease.parent.span_id == submit.context.span_id
+    # submit -> the scheduler's grant -> the worker's lease
+    assert grant.parent.span_id == submit.context.span_id
+    assert lease.parent.span_id == grant.context.span_id
     children = {s.name for s in spans if s.parent and s.parent.span_id == lease.context.span_id}
     assert {"worker.download_inputs", "worker.train", "worker.upload_result"} <= children
     checkpoint = [s for s in spans if s.name == "worker.checkpoint"]
@@ -530,15 +540,13 @@ async def test_training_spans_join_the_jobs_trace(
 @pytest.mark.filterwarnings(
     "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
 )
-async def test_generated_class_and_validation_images_are_stored_and_reused_on_resume(
+async def test_generated_class_images_are_stored_and_reused_on_resume(
     fleet: Fleet, cpu_qualification: QualificationResult
 ) -> None:
     prior = {
         "with_prior_preservation": True,
         "class_prompt": "a photo of a dog",
         "num_class_images": 3,
-        "validation_prompt": "a photo of sks dog on the beach",
-        "validation_steps": 2,
         "max_train_steps": 6,
         "checkpointing_steps": 2,
     }
@@ -563,7 +571,6 @@ async def test_generated_class_and_validation_images_are_stored_and_reused_on_re
         for o in await fleet.scheduler.storage.list(f"jobs/{job.job_id}/")
     }
     assert {"class_images/00000.png", "class_images/00001.png", "class_images/00002.png"} <= stored
-    assert "validation/2-e1-0.png" in stored
 
     resumed = Observer()
     second = Agent(
@@ -575,11 +582,6 @@ async def test_generated_class_and_validation_images_are_stored_and_reused_on_re
     # The resumed attempt got the first one's class images back and generated none.
     assert sorted(again.class_inputs) == ["00000.png", "00001.png", "00002.png"]
     assert again.generated == [] and again.steps[0] == 4
-    stored = {
-        o.key.rsplit("/", 1)[-1]
-        for o in await fleet.scheduler.storage.list(f"jobs/{job.job_id}/validation/")
-    }
-    assert {"2-e1-0.png", "4-e2-0.png"} <= stored
     spec = (await fleet.scheduler.ledger.get_job_any_owner(job.job_id)).spec  # type: ignore[union-attr]
     data = await fleet.scheduler.storage.get_bytes(done.result.key)
     reference = await asyncio.to_thread(reference_lora, fleet, spec)
@@ -633,3 +635,73 @@ async def test_a_refused_token_stops_the_worker_with_an_error(
         with pytest.raises(AgentError, match="refused this worker"):
             await asyncio.wait_for(agent.run(), WAIT_S)
     assert agent.state is State.STOPPED
+
+
+async def test_urls_asked_for_on_a_broken_stream_are_asked_again_on_reconnect(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    """A UrlsRequested lost with its stream is asked again as soon as the lease is resumed, not
+    after url_request_timeout_s (meanwhile every checkpoint would be skipped)."""
+    from tests.agent.support import TcpProxy
+
+    proxy = TcpProxy(target_port=fleet.scheduler.port)
+    await proxy.start()
+    observer = Observer(hold_at=1)
+    config = fleet.worker_config(
+        "m1", scheduler_address=f"127.0.0.1:{proxy.port}", url_request_timeout_s=300.0
+    )
+    agent = Agent(config, trainer_factory=observer, qualification=cpu_qualification)
+    try:
+        async with running(agent):
+            job = await fleet.client.submit(max_train_steps=3, checkpointing_steps=1)
+            run = await observer.run(0)
+            assert await asyncio.to_thread(run.reached.wait, WAIT_S)
+            # Step 1 is held. Next, hold at step 2, and lose what the worker writes meanwhile:
+            # step 1's UrlsRequested.
+            step_1 = run.release
+            run.reached, run.release, run.hold_at = threading.Event(), threading.Event(), 2
+            proxy.blackhole = True
+            step_1.set()
+            assert await asyncio.to_thread(run.reached.wait, WAIT_S)
+            proxy.blackhole = False
+            proxy.cut()
+            event = await fleet.client.wait_event(
+                job.job_id, pb.JOB_EVENT_KIND_CHECKPOINT_COMMITTED, timeout=WAIT_S
+            )
+            assert event.step == 1
+            run.release.set()
+            await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED)
+    finally:
+        await proxy.close()
+    assert "LEASE_RESUMED" in kinds(await fleet.client.events(job.job_id))
+
+
+@pytest.mark.parametrize("scheduler_overrides", [{"lease_ttl_s": 6.0}])
+async def test_reconnect_backoff_stays_well_below_the_announced_lease_ttl(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    config = fleet.worker_config("m1", reconnect_max_backoff_s=30.0)
+    agent = Agent(config, qualification=cpu_qualification)
+    assert agent.reconnect_max_backoff_s == 30.0  # nothing announced yet
+    async with running(agent):
+        async with asyncio.timeout(WAIT_S):
+            await agent.wait_for_state(State.IDLE)
+        # The scheduler's Welcome said 6 s: a silent lease dies then, so reconnects wait <= 2 s.
+        assert agent.reconnect_max_backoff_s == pytest.approx(2.0)
+
+
+async def test_output_format_both_stores_and_records_both_files(fleet: Fleet) -> None:
+    """A real worker run with output_format both: the diffusers file at the result key, the
+    kohya file at its own key, each stored as the ledger records it."""
+    agent = Agent(fleet.worker_config("m1"))
+    async with running(agent):
+        job = await fleet.client.submit(
+            max_train_steps=2, checkpointing_steps=100, output_format=pb.OUTPUT_FORMAT_BOTH
+        )
+        done = await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED)
+    for record, fmt in ((done.result, "diffusers"), (done.result.kohya, "kohya")):
+        data = await fleet.scheduler.storage.get_bytes(record.key)
+        assert hashlib.sha256(data).hexdigest() == record.sha256
+        assert record.key.endswith("/result/e1/" + RESULT_FILE_NAMES[fmt])
+        prefix = "unet." if fmt == "diffusers" else "lora_unet_"
+        assert all(k.startswith(prefix) for k in safetensors.torch.load(data))

@@ -5,14 +5,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
+import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
 
-from lorafleet.cli.main import main
+from lorafleet.app.main import main
+from lorafleet.core.model import RESULT_FILE_NAMES
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from lorafleet.jobs.v1 import jobs_pb2 as jpb
+from tests.clients.images import jpeg_bytes
 from tests.scheduler.conftest import Fleet
 from tests.scheduler.harness import connect_worker
 
@@ -36,7 +41,7 @@ async def test_cli_job_commands(
     photos = tmp_path / "rex"
     photos.mkdir()
     for i in range(2):
-        (photos / f"{i}.jpg").write_bytes(b"jpeg %d" % i)
+        (photos / f"{i}.jpg").write_bytes(jpeg_bytes(i))
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text(
         yaml.safe_dump({"max_train_steps": 40, "lr_scheduler": "cosine", "labels": {"team": "a"}})
@@ -172,7 +177,9 @@ async def test_cli_batch_cancel_and_errors(
         )
     )
     code, _, err = await lorafleet(capsys, monkeypatch, fleet, "submit", "--batch", str(bad))
-    assert code == 1 and any(line.startswith("error: resolution") for line in err.splitlines())
+    assert code == 1 and any(
+        line.startswith("error: batch[1].resolution") for line in err.splitlines()
+    )
     code, out, _ = await lorafleet(capsys, monkeypatch, fleet, "list", "--json")
     assert len(json.loads(out)) == 3
     code, _, err = await lorafleet(capsys, monkeypatch, fleet, "get", "not-a-job")
@@ -224,3 +231,101 @@ async def test_cli_keys_admin(
         capsys, monkeypatch, fleet, "keys", "--database-url", url, "create", "Bad Owner"
     )
     assert code == 1 and err.startswith("error: owner")
+
+
+async def test_the_webhooks_command_shows_the_delivery_log(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It is in the README's CLI table; it used to answer "invalid choice"."""
+    job = await fleet.alice.submit(webhook={"url": "https://hooks.example/lorafleet"})
+    code, out, err = await lorafleet(capsys, monkeypatch, fleet, "webhooks", job.job_id)
+    assert code == 0, err
+    code, out, err = await lorafleet(capsys, monkeypatch, fleet, "webhooks", "--json", job.job_id)
+    assert code == 0, err
+    assert isinstance(json.loads(out), list)
+
+
+async def test_a_closed_pipe_ends_the_command_quietly(fleet: Fleet, tmp_path: Path) -> None:
+    """`lorafleet list | head`: no BrokenPipeError traceback when the reader has gone."""
+    for _ in range(3):
+        await fleet.alice.submit()
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    env = dict(
+        os.environ,
+        LORAFLEET_TARGET=f"127.0.0.1:{fleet.scheduler.port}",
+        LORAFLEET_API_KEY=fleet.alice.api_key,
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "lorafleet.app.main",
+        "list",
+        stdout=write_end,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    os.close(write_end)
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert "Traceback" not in err.decode() and "BrokenPipeError" not in err.decode(), err
+    assert proc.returncode == 141
+
+
+async def test_cli_downloads_either_result_file_of_a_both_formats_job(
+    fleet: Fleet,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    code, out, _ = await lorafleet(
+        capsys,
+        monkeypatch,
+        fleet,
+        "submit",
+        "--instance-prompt=a photo of sks dog",
+        "--instance-data-prefix=dogs/rex",
+        "--max-train-steps=10",
+        "--output-format=both",
+        "--json",
+    )
+    assert code == 0
+    (job,) = json.loads(out)
+    assert job["spec"]["output_format"] == "both"
+    files = {"diffusers": b"diffusers lora", "kohya": b"kohya lora"}
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        granted = await worker.ready_for_lease()
+        urls = granted.urls
+        async with aiohttp.ClientSession() as http:
+            for url, data in (
+                (urls.result_upload.url, files["diffusers"]),
+                (urls.kohya_result_upload.url, files["kohya"]),
+            ):
+                async with http.put(url, data=data) as response:
+                    assert response.status in (200, 201, 204)
+        await worker.send(
+            job_succeeded=fpb.JobSucceeded(
+                lease=worker.ref(granted.lease),
+                key=urls.result_upload.key,
+                size_bytes=len(files["diffusers"]),
+                sha256=hashlib.sha256(files["diffusers"]).hexdigest(),
+                step=10,
+                kohya=jpb.JobResult(
+                    key=urls.kohya_result_upload.key,
+                    size_bytes=len(files["kohya"]),
+                    sha256=hashlib.sha256(files["kohya"]).hexdigest(),
+                ),
+            )
+        )
+        code, _, _ = await lorafleet(capsys, monkeypatch, fleet, "watch", job["job_id"])
+    assert code == 0
+    monkeypatch.chdir(tmp_path)
+    for fmt, data in files.items():
+        code, out, _ = await lorafleet(
+            capsys, monkeypatch, fleet, "download", job["job_id"], "--format", fmt
+        )
+        assert code == 0
+        path = Path(out.strip().splitlines()[-1])
+        assert path.name == RESULT_FILE_NAMES[fmt]
+        assert await asyncio.to_thread(path.read_bytes) == data
+    code, out, _ = await lorafleet(capsys, monkeypatch, fleet, "get", job["job_id"], "--json")
+    assert json.loads(out)["result"]["kohya"]["key"] == urls.kohya_result_upload.key

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-import lorafleet
-from lorafleet.model import EventKind, JobState
+from lorafleet.client import AsyncClient
+from lorafleet.core.model import EventKind, JobState
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ async def test_demo_trains_a_lora_that_loads(tmp_path: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "lorafleet.cli.main",
+        "lorafleet.app.main",
         "demo",
         "--data-dir",
         str(tmp_path / "data"),
@@ -85,7 +85,7 @@ async def fleet_up(data_dir: Path) -> AsyncIterator[str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "lorafleet.cli.main",
+        "lorafleet.app.main",
         "up",
         "--data-dir",
         str(data_dir),
@@ -116,7 +116,7 @@ async def fleet_up(data_dir: Path) -> AsyncIterator[str]:
 
 
 async def test_up_restarted_mid_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    from lorafleet.cli.local import _sample_images
+    from lorafleet.app.local import _sample_images
     from lorafleet.worker.tiny_model import build_tiny_model
 
     data_dir = tmp_path / "data"
@@ -133,7 +133,7 @@ async def test_up_restarted_mid_job_resumes_from_its_checkpoint(tmp_path: Path) 
     }
     async with fleet_up(data_dir) as target:
         api_key = (data_dir / "api-key").read_text().strip()
-        async with lorafleet.AsyncClient(target, api_key=api_key) as client:
+        async with AsyncClient(target, api_key=api_key) as client:
             await client.upload_dir(images, prefix="rex")
             job = await client.submit(spec)
             async for update in client.watch(job.job_id):
@@ -142,7 +142,7 @@ async def test_up_restarted_mid_job_resumes_from_its_checkpoint(tmp_path: Path) 
     # Ctrl-C drained the worker: its job is queued again with a checkpoint, not lost.
     async with (
         fleet_up(data_dir) as target,
-        lorafleet.AsyncClient(target, api_key=api_key) as client,
+        AsyncClient(target, api_key=api_key) as client,
     ):
         interrupted = await client.get(job.job_id)
         assert interrupted.latest_checkpoint is not None

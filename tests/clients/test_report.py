@@ -16,9 +16,9 @@ from lorafleet.cli.report import (
     report_command,
     report_to_json,
 )
-from lorafleet.errors import InvalidArgument
-from lorafleet.model import EventKind, Job, JobEvent, JobState, Progress
-from lorafleet.spec import JobSpec
+from lorafleet.core.errors import InvalidArgument
+from lorafleet.core.model import EventKind, Job, JobEvent, JobState, Progress
+from lorafleet.core.spec import JobSpec
 from tests.clients.test_timeline import SHORT_TTL, T0, Events, at, live_history, make_job, sdk
 from tests.scheduler.conftest import Fleet
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-import lorafleet
-from lorafleet.errors import FailedPrecondition, InvalidArgument, NotFound
+from lorafleet.client import AsyncClient, Client
+from lorafleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from lorafleet.core.model import EventKind, JobState
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
-from lorafleet.model import EventKind, JobState
+from tests.clients.images import png_bytes
 from tests.scheduler.conftest import Fleet
 from tests.scheduler.harness import connect_worker
 
@@ -20,7 +21,7 @@ from tests.scheduler.harness import connect_worker
 def _photos(directory: Path) -> Path:
     directory.mkdir()
     for i in range(3):
-        (directory / f"{i}.png").write_bytes(b"fake png %d" % i)
+        (directory / f"{i}.png").write_bytes(png_bytes(i))
     (directory / "0.txt").write_text("a photo of sks dog on grass")
     (directory / "notes.md").write_text("ignored")
     return directory
@@ -28,7 +29,7 @@ def _photos(directory: Path) -> Path:
 
 async def test_async_client_end_to_end(fleet: Fleet, tmp_path: Path) -> None:
     target = f"127.0.0.1:{fleet.scheduler.port}"
-    async with lorafleet.AsyncClient(target, api_key=fleet.alice.api_key) as client:
+    async with AsyncClient(target, api_key=fleet.alice.api_key) as client:
         keys = await client.upload_dir(_photos(tmp_path / "rex"), prefix="dogs/rex2")
         assert sorted(k.rsplit("/", 1)[1] for k in keys) == ["0.png", "0.txt", "1.png", "2.png"]
         job = await client.submit(
@@ -95,7 +96,7 @@ async def test_blocking_client(fleet: Fleet) -> None:
     target = f"127.0.0.1:{fleet.scheduler.port}"
 
     def use() -> None:
-        with lorafleet.Client(target, api_key=fleet.alice.api_key) as client:
+        with Client(target, api_key=fleet.alice.api_key) as client:
             job = client.submit(
                 {
                     "instance_prompt": "a photo of sks dog",
@@ -110,7 +111,7 @@ async def test_blocking_client(fleet: Fleet) -> None:
             assert updates[-1].job.state is JobState.CANCELED
             with pytest.raises(NotFound):
                 client.get("00000000-0000-0000-0000-000000000000")
-        with lorafleet.Client(target, api_key=fleet.bob.api_key) as other, pytest.raises(NotFound):
+        with Client(target, api_key=fleet.bob.api_key) as other, pytest.raises(NotFound):
             other.get(job.job_id)
 
     await asyncio.to_thread(use)

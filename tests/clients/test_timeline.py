@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-import lorafleet
 from lorafleet.cli.timeline import (
     LeaseOutcome,
     format_duration,
@@ -27,17 +26,22 @@ from lorafleet.cli.timeline import (
     timeline_command,
     write_timeline,
 )
-from lorafleet.errors import FailedPrecondition, InvalidArgument
+from lorafleet.client import AsyncClient
+from lorafleet.core.errors import FailedPrecondition, InvalidArgument
+from lorafleet.core.model import EventKind, Job, JobEvent, JobState, Progress
+from lorafleet.core.spec import JobSpec
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
-from lorafleet.model import EventKind, Job, JobEvent, JobState, Progress, checkpoint_key
-from lorafleet.spec import JobSpec
 from tests.scheduler.conftest import Fleet
 from tests.scheduler.harness import ScriptedWorker, connect_worker
 
 SHA = "c" * 64
 # Short enough that an abandoned lease expires within the test's bounded waits.
-SHORT_TTL = pytest.mark.parametrize("scheduler_overrides", [{"lease_ttl_s": 2.0}])
+# A short TTL for the expiries, and every heartbeat on the timeline (the scheduler keeps one
+# per half heartbeat interval; these scripted workers heartbeat faster than that).
+SHORT_TTL = pytest.mark.parametrize(
+    "scheduler_overrides", [{"lease_ttl_s": 2.0, "heartbeat_interval_s": 0.01}]
+)
 
 # ---------------------------------------------------------------------------------------------
 # Real histories on a live scheduler.
@@ -56,27 +60,11 @@ class History:
 
 
 async def _checkpoint(worker: ScriptedWorker, lease: fpb.Lease, step: int) -> None:
-    await worker.send(
-        checkpoint_committed=fpb.CheckpointCommitted(
-            lease=worker.ref(lease),
-            step=step,
-            key=checkpoint_key(lease.job_id, step, lease.epoch),
-            size_bytes=1,
-            sha256=SHA,
-        )
-    )
+    await worker.store_checkpoint(lease, step)
 
 
 async def _succeed(worker: ScriptedWorker, granted: fpb.LeaseGranted, step: int) -> None:
-    await worker.send(
-        job_succeeded=fpb.JobSucceeded(
-            lease=worker.ref(granted.lease),
-            key=granted.urls.result_upload.key,
-            size_bytes=1,
-            sha256=SHA,
-            step=step,
-        )
-    )
+    await worker.store_result(granted, step)
 
 
 async def live_history(fleet: Fleet) -> History:
@@ -106,7 +94,7 @@ async def live_history(fleet: Fleet) -> History:
         await _succeed(b, second, 40)
         await alice.wait_for(job.job_id, finished)
     # Finishing deletes the checkpoints in the background; once more here makes it certain.
-    await fleet.scheduler.fleet.prune_checkpoints(job.job_id)
+    await fleet.scheduler.sweeper.prune_checkpoints(job.job_id)
     expired = job.job_id
 
     job = await alice.submit(max_train_steps=30, labels=labels)
@@ -165,8 +153,8 @@ async def live_history(fleet: Fleet) -> History:
     )
 
 
-def sdk(fleet: Fleet) -> lorafleet.AsyncClient:
-    return lorafleet.AsyncClient(f"127.0.0.1:{fleet.scheduler.port}", api_key=fleet.alice.api_key)
+def sdk(fleet: Fleet) -> AsyncClient:
+    return AsyncClient(f"127.0.0.1:{fleet.scheduler.port}", api_key=fleet.alice.api_key)
 
 
 def by_class(svg: str, name: str) -> list[ET.Element]:
@@ -209,7 +197,11 @@ async def test_timeline_of_real_jobs(fleet: Fleet, tmp_path: Path) -> None:
         assert title == f"job {job.job_id} · SUCCEEDED"
         (subtitle,) = texts(svg, "subtitle")
         assert "step 40/40" in subtitle and "2 leases on 2 machines" in subtitle
-        assert "1 interruption" in subtitle and "GPU-s" in subtitle
+        assert "1 interruption" in subtitle
+        # GPU-seconds are the server's figure for the job, as reported, not recomputed here.
+        assert job.gpu_seconds is not None and job.gpu_seconds > 0
+        gpu = job.gpu_seconds
+        assert (f"{gpu:,.0f} GPU-s" if gpu >= 10 else f"{gpu:.2f} GPU-s") in subtitle
 
         drained = render_timeline_svg(
             await client.get(history.drained_twice), await client.events(history.drained_twice)
@@ -342,13 +334,14 @@ def test_leases_from_events_follows_every_ending() -> None:
         12,
     )
     assert [(c.step, c.deleted) for c in first.checkpoints] == [(10, True)]
-    # Billing of an expired lease stops at its last heartbeat, not at the expiry.
-    assert first.billed_seconds(at(100)) == 4.0
+    # An expired lease went silent at its last heartbeat; it was held until the expiry.
+    assert first.silent_since == at(6)
+    assert first.held_seconds(at(100)) == 38.0
     assert first.outcome.interruption
     assert (second.outcome, second.start_step, second.ended_at) == (LeaseOutcome.RUNNING, 10, None)
     assert second.resumed_at == (at(43),)
-    # A held lease is billed up to now.
-    assert second.billed_seconds(at(50)) == 9.0
+    # A lease still held counts up to now, and is not silent.
+    assert second.held_seconds(at(50)) == 9.0 and second.silent_since is None
     assert not second.outcome.interruption
 
 
@@ -363,7 +356,43 @@ def test_cancel_ends_only_a_held_lease() -> None:
     )
     (lease,) = leases_from_events(held)
     assert lease.outcome is LeaseOutcome.CANCELED and not lease.outcome.interruption
-    assert lease.billed_seconds(at(99)) == 2.0
+    assert lease.held_seconds(at(99)) == 2.0 and lease.silent_since is None
+
+
+def test_a_notice_is_drawn_on_its_lease() -> None:
+    events = (
+        Events()
+        .add(EventKind.LEASE_GRANTED, 1, machine_id="m1", lease_id="l1", epoch=1)
+        .add(EventKind.NOTICE, 2, machine_id="m1", lease_id="l1", epoch=1, message="no upload")
+        .items
+    )
+    (lease,) = leases_from_events(events)
+    assert lease.notices == ((at(2), "no upload"),)
+    svg = render_timeline_svg(make_job(), events)
+    (mark,) = by_class(svg, "notice")
+    assert tooltip(mark) == "notice: no upload"
+
+
+def test_gpu_seconds_are_the_servers_figure_never_recomputed() -> None:
+    """One billing rule, the ledger's: the title shows `Job.gpu_seconds` whatever the events
+    would add up to (here a 30 s lease, billed 1,234 s by the server's say)."""
+    events = (
+        Events()
+        .add(EventKind.SUBMITTED, 0, state=JobState.QUEUED)
+        .add(EventKind.LEASE_GRANTED, 10, machine_id="m1", lease_id="l1", epoch=1)
+        .add(EventKind.SUCCEEDED, 40, machine_id="m1", lease_id="l1", epoch=1, step=100)
+        .items
+    )
+    done = {"state": JobState.SUCCEEDED, "finished_at": at(40), "updated_at": at(40)}
+    svg = render_timeline_svg(make_job(gpu_seconds=1234.0, **done), events)
+    (subtitle,) = texts(svg, "subtitle")
+    assert "1,234 GPU-s" in subtitle and "30 GPU-s" not in subtitle
+    unreported = render_timeline_svg(make_job(gpu_seconds=None, **done), events)
+    (subtitle,) = texts(unreported, "subtitle")
+    assert "GPU-s not reported" in subtitle
+    # The page's lease table shows how long each lease was held, and no billing of its own.
+    page = render_timeline_html(make_job(gpu_seconds=1234.0, **done), events)
+    assert "<th>held</th>" in page and "GPU-s</th>" not in page
 
 
 def test_running_job_is_drawn_up_to_now() -> None:
@@ -426,3 +455,26 @@ def test_files_by_suffix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(FailedPrecondition, match=r"pip install pillow.*\.html"):
         write_timeline(job, events, tmp_path / "t.png")
     assert not (tmp_path / "t.png").exists()
+
+
+def test_the_legend_shows_what_is_drawn_as_it_is_drawn() -> None:
+    """Issue 16: the legend listed heartbeats in the running colour and marks the picture did
+    not have; it now lists only what is drawn, in the drawing's colours."""
+    from lorafleet.cli import timeline as tl
+
+    events = (
+        Events()
+        .add(EventKind.LEASE_GRANTED, 1, machine_id="m1", lease_id="l1", epoch=1)
+        .add(EventKind.HEARTBEAT, 4, machine_id="m1", lease_id="l1", epoch=1, step=5)
+        .add(EventKind.SUCCEEDED, 40, machine_id="m1", lease_id="l1", epoch=1, step=100)
+        .items
+    )
+    leases = leases_from_events(events)
+    shapes, _ = tl._legend(leases, 0.0, {JobState.QUEUED, JobState.RUNNING})
+    labels = [s.text for s in shapes if isinstance(s, tl.Text)]
+    assert labels == ["lease succeeded", "heartbeats", "job queued", "job running"]
+    fills = [s.fill for s in shapes if isinstance(s, tl.Rect)]
+    succeeded = tl.OUTCOME_COLORS[tl.LeaseOutcome.SUCCEEDED]
+    # The heartbeat swatch is the lease it was drawn on, not the running colour.
+    assert fills == [succeeded, succeeded, tl._QUEUED, tl._RUNNING_STRIP]
+    assert tl.OUTCOME_COLORS[tl.LeaseOutcome.RUNNING] not in fills

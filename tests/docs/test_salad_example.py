@@ -1,11 +1,12 @@
-"""docs/salad-container-group.json and docs/DEPLOYING.md against SaladCloud's own API description.
+"""docs/salad-container-group.json and docs/DEPLOYING.md against SaladCloud's official SDKs.
 
-The description is SaladCloud's published OpenAPI 3.1 file, kept beside the repository in
-`../shared/specs/salad-cloud.yaml`. The example must be a valid body for the operation
-`create_container_group` (its $refs resolved, formats checked, and no property the schema does
-not declare: the API's schemas are open, so a camelCase or misspelt field would otherwise pass
-here and be silently ignored by SaladCloud). Its environment must be what the worker reads, and
-the guide's API calls must use the paths and headers the description defines.
+Nothing outside the repository is read: the API's shape comes from the `salad-cloud-sdk` and
+`salad-cloud-imds-sdk` packages, SaladCloud's own generated clients. The example must parse as
+the SDK's `ContainerGroupCreationRequest` (required fields, enumerations, bounds, name patterns)
+and come back from the model unchanged: the model keeps only the fields it declares, so a
+camelCase or misspelt field (which SaladCloud would silently ignore) shows up as a difference.
+Its environment must be what the worker reads, and the guide's API and IMDS calls must be the
+requests the SDKs send (method, URL, headers), captured at the SDKs' transport without a network.
 """
 
 from __future__ import annotations
@@ -13,56 +14,35 @@ from __future__ import annotations
 import copy
 import json
 import re
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from openapi_schema_validator import OAS31Validator
-from referencing import Registry
-from referencing.jsonschema import DRAFT202012
+from salad_cloud_imds_sdk import SaladCloudImdsSdk
+from salad_cloud_imds_sdk.models import Metadata, ReallocatePrototype
+from salad_cloud_sdk import SaladCloudSdk
+from salad_cloud_sdk.models import ContainerGroupCreationRequest, ContainerGroupPatch
 
+from lorafleet.core.settings import env_names
 from lorafleet.worker import config as worker_config
 
 REPO = Path(__file__).resolve().parents[2]
-SPECS = REPO.parent / "shared" / "specs"
-API_SPEC = SPECS / "salad-cloud.yaml"
-IMDS_SPEC = SPECS / "salad-cloud-imds.yaml"
 EXAMPLE = REPO / "docs" / "salad-container-group.json"
 GUIDE = REPO / "docs" / "DEPLOYING.md"
-SPEC_URI = "urn:lorafleet-test:salad-cloud"
 
-# How the guide spells the path parameters of SaladCloud's API in its shell commands.
+# How the guide spells the path parameters of SaladCloud's API in its shell commands, and the
+# valid stand-ins the SDK is called with (it checks names against their patterns).
 GUIDE_PARAMETERS = {
-    "organization_name": "${SALAD_ORG}",
-    "project_name": "${SALAD_PROJECT}",
-    "container_group_name": "${GROUP}",
-    "container_group_instance_id": "${INSTANCE}",
+    "org-placeholder": "${SALAD_ORG}",
+    "project-placeholder": "${SALAD_PROJECT}",
+    "group-placeholder": "${GROUP}",
+    "6f0f2d8e-3c1a-4b7e-9d2c-5a4b3c2d1e0f": "${INSTANCE}",
 }
+ORG, PROJECT, GROUP, INSTANCE = GUIDE_PARAMETERS
 
 Json = dict[str, Any]
-
-
-def _load_yaml(path: Path) -> Json:
-    if not path.is_file():
-        pytest.fail(
-            f"{path} is missing: these tests check the docs against SaladCloud's published API"
-            " description, kept beside the repository in ../shared/specs/"
-        )
-    loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-    assert isinstance(loaded, dict), f"{path}: not an OpenAPI document"
-    return loaded
-
-
-@pytest.fixture(scope="module")
-def spec() -> Json:
-    return _load_yaml(API_SPEC)
-
-
-@pytest.fixture(scope="module")
-def imds_spec() -> Json:
-    return _load_yaml(IMDS_SPEC)
 
 
 @pytest.fixture
@@ -72,57 +52,33 @@ def example() -> Json:
     return loaded
 
 
-def _operation(spec: Json, operation_id: str) -> tuple[str, str, Json]:
-    """(path, method, operation) of the operation with this operationId."""
-    for path, item in spec["paths"].items():
-        for method, operation in item.items():
-            if isinstance(operation, dict) and operation.get("operationId") == operation_id:
-                return path, method, operation
-    raise AssertionError(f"no operation {operation_id!r} in {API_SPEC.name}")
-
-
-def _closed(node: Any) -> Any:
-    """A copy in which every object schema with declared properties allows no others."""
-    if isinstance(node, dict):
-        closed = {key: _closed(value) for key, value in node.items()}
-        if "properties" in closed and not {"additionalProperties", "unevaluatedProperties"} & set(
-            closed
-        ):
-            closed["unevaluatedProperties"] = False
-        return closed
-    if isinstance(node, list):
-        return [_closed(value) for value in node]
-    return node
-
-
-@pytest.fixture(scope="module")
-def create_errors(spec: Json) -> Callable[[Json], list[str]]:
-    """Validates a body against create_container_group's request schema; returns the errors."""
-    strict = dict(spec, components=_closed(spec["components"]))
-    resource = DRAFT202012.create_resource(strict)
-    registry: Registry[Any] = Registry().with_resource(SPEC_URI, resource)
-    resolver = registry.resolver(SPEC_URI)
-    _, _, operation = _operation(spec, "create_container_group")
-    body = operation["requestBody"]
-    if "$ref" in body:
-        body = resolver.lookup(body["$ref"]).contents
-    schema_ref = body["content"]["application/json"]["schema"]["$ref"]
-    validator = OAS31Validator(
-        {"$ref": f"{SPEC_URI}{schema_ref}"},
-        registry=registry,
-        format_checker=OAS31Validator.FORMAT_CHECKER,
-    )
-
-    def errors(instance: Json) -> list[str]:
-        found = validator.iter_errors(instance)
-        return sorted(f"/{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in found)
-
+def create_errors(body: Json) -> list[str]:
+    """Why SaladCloud's SDK would not send `body` as a create_container_group request as is."""
+    try:
+        parsed = ContainerGroupCreationRequest._unmap(copy.deepcopy(body))
+    except (TypeError, ValueError) as exc:
+        return [f"{type(exc).__name__}: {exc}"]
+    errors = [f"{path}: {what}" for path, what in _differences(body, parsed._map())]
+    # The SDK does not check formats; gpu_classes are UUIDs (list_gpu_classes gives them).
+    for gpu_class in body.get("container", {}).get("resources", {}).get("gpu_classes", []):
+        try:
+            uuid.UUID(str(gpu_class))
+        except ValueError:
+            errors.append(f"/container/resources/gpu_classes: {gpu_class!r} is not a UUID")
     return errors
 
 
-def test_example_is_a_valid_create_container_group_body(
-    example: Json, create_errors: Callable[[Json], list[str]]
-) -> None:
+def _differences(sent: Any, kept: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    if isinstance(sent, dict) and isinstance(kept, dict):
+        for key in sent.keys() - kept.keys():
+            yield f"{path}/{key}", "not a field of the model (SaladCloud would ignore it)"
+        for key in sent.keys() & kept.keys():
+            yield from _differences(sent[key], kept[key], f"{path}/{key}")
+    elif sent != kept:
+        yield path or "/", f"{sent!r} comes back as {kept!r}"
+
+
+def test_example_is_a_valid_create_container_group_body(example: Json) -> None:
     assert create_errors(example) == []
 
 
@@ -159,31 +115,32 @@ def _rename(path: str, new_name: str) -> Callable[[Json], None]:
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        (_set("restart_policy", "sometimes"), "/restart_policy: 'sometimes' is not one of"),
-        (_set("container/priority", "urgent"), "/container/priority: 'urgent' is not one of"),
-        (_set("container/resources/memory", _DELETE), "'memory' is a required property"),
-        (_set("container/resources/gpu_classes", ["rtx-4090"]), "is not a 'uuid'"),
-        (_set("container/environment_variables/EMPTY", ""), "should be non-empty"),
-        (_set("startup_probe/failure_threshold", 99), "greater than the maximum of 20"),
-        (_rename("restart_policy", "restartPolicy"), "'restartPolicy' was unexpected"),
-        (_rename("container/resources/gpu_classes", "gpuClasses"), "'gpuClasses' was unexpected"),
+        (_set("restart_policy", "sometimes"), "restart_policy: must match one of"),
+        (_set("container/priority", "urgent"), "priority: must match one of"),
+        (_set("container/resources/memory", _DELETE), "argument: 'memory'"),
+        (_set("container/resources/gpu_classes", ["rtx-4090"]), "is not a UUID"),
+        (_set("name", "Lorafleet_Workers"), "name: must match"),
+        (_set("replicas", 501), "replicas: must satisfy the condition le 500"),
+        (_set("startup_probe/failure_threshold", 99), "condition le 20"),
+        (_rename("restart_policy", "restartPolicy"), "argument: 'restart_policy'"),
+        (_rename("container/resources/gpu_classes", "gpuClasses"), "/gpuClasses: not a field"),
+        (_set("container/colour", "red"), "/container/colour: not a field"),
     ],
     ids=[
         "unknown-restart-policy",
         "unknown-priority",
         "no-memory",
         "gpu-class-not-uuid",
-        "empty-env-value",
+        "name-not-dns",
+        "too-many-replicas",
         "probe-threshold-too-high",
         "camel-case-field",
         "camel-case-nested-field",
+        "unknown-field",
     ],
 )
 def test_the_check_rejects_broken_bodies(
-    example: Json,
-    create_errors: Callable[[Json], list[str]],
-    change: Callable[[Json], None],
-    expected: str,
+    example: Json, change: Callable[[Json], None], expected: str
 ) -> None:
     broken = copy.deepcopy(example)
     change(broken)
@@ -193,10 +150,11 @@ def test_the_check_rejects_broken_bodies(
 
 def test_example_environment_is_what_the_worker_reads(example: Json) -> None:
     env = example["container"]["environment_variables"]
-    source = Path(worker_config.__file__).read_text(encoding="utf-8")
-    telemetry = (REPO / "clients" / "python" / "lorafleet" / "telemetry.py").read_text("utf-8")
+    model = worker_config.WorkerConfig
+    read = {v for n, i in model.model_fields.items() for v in env_names(n, i)}
+    telemetry = (REPO / "core" / "lorafleet" / "core" / "telemetry.py").read_text("utf-8")
     for name in env:
-        assert f'"{name}"' in source + telemetry, f"{name}: no lorafleet worker reads it"
+        assert name in read or f'"{name}"' in telemetry, f"{name}: no lorafleet worker reads it"
     config = worker_config.WorkerConfig.from_env(env)
     assert config.scheduler_address == env["LORAFLEET_SCHEDULER"]
     assert config.tls
@@ -205,54 +163,100 @@ def test_example_environment_is_what_the_worker_reads(example: Json) -> None:
     assert not {"SALAD_MACHINE_ID", "LORAFLEET_MACHINE_ID"} & set(env)
     # A drained worker exits 0: only "always" brings the replica back afterwards.
     assert example["restart_policy"] == "always"
+    # On SaladCloud (which adds SALAD_CONTAINER_GROUP_ID) a worker that fails its probe asks to
+    # be reallocated, unless the example turned that off.
+    on_salad = worker_config.WorkerConfig.from_env({**env, "SALAD_CONTAINER_GROUP_ID": "g"})
+    assert on_salad.salad_reallocate_enabled
 
 
-def _guide_urls(spec: Json, operation_ids: list[str]) -> Iterator[tuple[str, str, str]]:
-    server = spec["servers"][0]["url"]
-    for operation_id in operation_ids:
-        path, method, _ = _operation(spec, operation_id)
-        url = server + path
-        for parameter, spelling in GUIDE_PARAMETERS.items():
-            url = url.replace("{" + parameter + "}", spelling)
-        unspelt = re.findall(r"(?<!\$)\{\w+\}", url)
-        assert not unspelt, f"{operation_id}: the guide has no spelling for {unspelt}"
-        yield operation_id, method, url
+class _Captured(Exception):
+    pass
 
 
-def test_guide_calls_the_api_as_described(spec: Json) -> None:
+def _sent(service: Any, call: Callable[[], Any]) -> Any:
+    """The request an SDK service would send for `call`, stopped at its transport."""
+    requests: list[Any] = []
+
+    def capture(request: Any) -> Any:
+        requests.append(request)
+        raise _Captured
+
+    service.send_request = capture
+    with pytest.raises(_Captured):
+        call()
+    (request,) = requests
+    return request
+
+
+def _guide_spelling(url: str) -> str:
+    for value, spelling in GUIDE_PARAMETERS.items():
+        url = url.replace(value, spelling)
+    return url
+
+
+def test_guide_calls_the_api_as_the_sdk_does() -> None:
     guide = GUIDE.read_text(encoding="utf-8")
-    scheme = spec["components"]["securitySchemes"]["ApiKeyAuth"]
-    assert (scheme["type"], scheme["in"]) == ("apiKey", "header")
-    assert f"{scheme['name']}: " in guide
-    assert EXAMPLE.name in guide
-    operations = [
-        "create_container_group",
-        "update_container_group",
-        "list_container_group_instances",
-        "reallocate_container_group_instance",
-        "list_gpu_classes",
-    ]
-    for operation_id, method, url in _guide_urls(spec, operations):
-        assert url in guide, f"{operation_id}: the guide should call {method.upper()} {url}"
-        if method != "get":
-            assert re.search(rf"-X {method.upper()}\b[^\n]*\n?[^\n]*{re.escape(url)}", guide), (
-                f"{operation_id}: {url} with -X {method.upper()}"
+    sdk = SaladCloudSdk(api_key="key")
+    groups = sdk.container_groups
+    calls = {
+        "create_container_group": (
+            groups,
+            lambda: groups.create_container_group(
+                ContainerGroupCreationRequest._unmap(
+                    json.loads(EXAMPLE.read_text(encoding="utf-8"))
+                ),
+                ORG,
+                PROJECT,
+            ),
+        ),
+        "update_container_group": (
+            groups,
+            lambda: groups.update_container_group(
+                ContainerGroupPatch(replicas=8), ORG, PROJECT, GROUP
+            ),
+        ),
+        "list_container_group_instances": (
+            groups,
+            lambda: groups.list_container_group_instances(ORG, PROJECT, GROUP),
+        ),
+        "reallocate_container_group_instance": (
+            groups,
+            lambda: groups.reallocate_container_group_instance(ORG, PROJECT, GROUP, INSTANCE),
+        ),
+        "list_gpu_classes": (
+            sdk.organization_data,
+            lambda: sdk.organization_data.list_gpu_classes(ORG),
+        ),
+    }
+    for operation, (service, call) in calls.items():
+        request = _sent(service, call)
+        url = _guide_spelling(request.url)
+        unspelt = re.findall(r"placeholder|[0-9a-f]{8}-[0-9a-f]{4}-", url)
+        assert not unspelt, f"{operation}: the guide has no spelling for {unspelt}"
+        assert url in guide, f"{operation}: the guide should call {request.method} {url}"
+        if request.method != "GET":
+            assert re.search(rf"-X {request.method}\b[^\n]*\n?[^\n]*{re.escape(url)}", guide), (
+                f"{operation}: {url} with -X {request.method}"
             )
-    _, _, update = _operation(spec, "update_container_group")
-    for content_type in spec["components"]["requestBodies"]["UpdateContainerGroup"]["content"]:
-        assert f"Content-Type: {content_type}" in guide
-    assert "$ref" in update["requestBody"]
+        for header, value in request.headers.items():
+            if header == "Salad-Api-Key":
+                assert f"{header}: ${{SALAD_API_KEY}}" in guide
+            else:
+                assert f"{header}: {value}" in guide, f"{operation}: header {header}: {value}"
 
 
-def test_guide_calls_the_imds_as_described(imds_spec: Json) -> None:
+def test_guide_calls_the_imds_as_the_sdk_does() -> None:
     guide = GUIDE.read_text(encoding="utf-8")
-    server = imds_spec["servers"][0]["url"]
-    header = imds_spec["components"]["parameters"]["Metadata"]
-    assert (header["in"], header["schema"]["const"]) == ("header", "true")
-    assert f"{header['name']}: {header['schema']['const']}" in guide
-    for path in ("/v1/reallocate",):
-        assert path in imds_spec["paths"]
-        assert server + path in guide
-    reason = imds_spec["components"]["schemas"]["ReallocatePrototype"]
-    assert reason["required"] == ["reason"]
+    imds = SaladCloudImdsSdk()
+    request = _sent(
+        imds.metadata,
+        lambda: imds.metadata.reallocate(ReallocatePrototype(reason="r"), Metadata.TRUE),
+    )
+    assert (request.method, request.url) == ("POST", "http://169.254.169.254/v1/reallocate")
+    assert f"-X POST {request.url}" in guide
+    for header, value in request.headers.items():
+        assert f"{header}: {value}" in guide, f"header {header}: {value}"
     assert '"reason"' in guide
+    # The worker's own default is the address the SDK knows.
+    default = worker_config.WorkerConfig.model_fields["salad_imds_url"].default
+    assert request.url.startswith(default)

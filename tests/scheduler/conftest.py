@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from lorafleet.core.model import upload_key
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
-from lorafleet.model import upload_key
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.config import SchedulerConfig
 from lorafleet.scheduler.server import Scheduler

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import grpc
 
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
@@ -77,6 +79,13 @@ class UserClient:
         return list(response.events)
 
 
+# What a real worker remembers across its reconnects: the session token of its last stream
+# (per machine id) and each lease's secret. Scripted workers share them the same way, so a
+# test reconnecting "m1" is the same machine; an attacker in a test passes its own values.
+SESSION_TOKENS: dict[str, str] = {}
+LEASE_SECRETS: dict[str, str] = {}
+
+
 @dataclass
 class ScriptedWorker:
     """One worker stream whose every message the test writes by hand."""
@@ -98,6 +107,9 @@ class ScriptedWorker:
                 if message is grpc.aio.EOF:
                     raise AssertionError(f"stream ended while waiting for {kind}")
                 self.received.append(message)
+                if message.WhichOneof("message") == "lease_granted":
+                    granted = message.lease_granted
+                    LEASE_SECRETS[granted.lease.lease_id] = granted.lease_secret
                 if message.WhichOneof("message") == kind:
                     return getattr(message, kind)
 
@@ -118,6 +130,42 @@ class ScriptedWorker:
     def ref(self, lease: fpb.Lease) -> fpb.LeaseRef:
         return fpb.LeaseRef(lease_id=lease.lease_id, epoch=lease.epoch)
 
+    async def store_checkpoint(self, lease: fpb.Lease, step: int, data: bytes = b"state") -> None:
+        """What a worker does for a checkpoint: ask for its URL, upload, then announce it."""
+        slot = fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_CHECKPOINT, step=step)
+        await self.send(urls_requested=fpb.UrlsRequested(lease=self.ref(lease), slots=[slot]))
+        (upload,) = (await self.expect("urls_renewed")).urls.uploads
+        await http_put(upload.url, data)
+        await self.send(
+            checkpoint_committed=fpb.CheckpointCommitted(
+                lease=self.ref(lease),
+                step=step,
+                key=upload.key,
+                size_bytes=len(data),
+                sha256=hashlib.sha256(data).hexdigest(),
+            )
+        )
+
+    async def store_result(
+        self, granted: fpb.LeaseGranted, step: int, data: bytes = b"lora"
+    ) -> None:
+        """Upload the result to the grant's URL, then say the job succeeded."""
+        await http_put(granted.urls.result_upload.url, data)
+        await self.send(
+            job_succeeded=fpb.JobSucceeded(
+                lease=self.ref(granted.lease),
+                key=granted.urls.result_upload.key,
+                size_bytes=len(data),
+                sha256=hashlib.sha256(data).hexdigest(),
+                step=step,
+            )
+        )
+
+
+async def http_put(url: str, data: bytes) -> None:
+    async with aiohttp.ClientSession() as http, http.put(url, data=data) as response:
+        assert response.status in (200, 201, 204), await response.text()
+
 
 @asynccontextmanager
 async def connect_worker(
@@ -127,8 +175,12 @@ async def connect_worker(
     *,
     vram_mb: int = 81_920,
     held: fpb.LeaseRef | None = None,
+    held_secret: str | None = None,
+    session_token: str | None = None,
     qualified: bool = True,
 ) -> AsyncIterator[ScriptedWorker]:
+    """A scripted worker stream. By default it presents what the machine's previous stream was
+    given (session token, the held lease's secret); pass values to act as someone else."""
     stub = fgrpc.WorkerServiceStub(channel)
     call = stub.Connect(metadata=(("authorization", f"Bearer {token}"),))
     worker = ScriptedWorker(machine_id=machine_id, call=call)
@@ -142,9 +194,36 @@ async def connect_worker(
     )
     if held is not None:
         hello.held_lease.CopyFrom(held)
+        hello.held_lease_secret = (
+            LEASE_SECRETS.get(held.lease_id, "") if held_secret is None else held_secret
+        )
+    hello.session_token = (
+        SESSION_TOKENS.get(machine_id, "") if session_token is None else session_token
+    )
     await worker.send(hello=hello)
     worker.welcome = await worker.expect("welcome")
+    SESSION_TOKENS[machine_id] = worker.welcome.session_token
     try:
         yield worker
+    finally:
+        await _close(call)
+
+
+async def _close(call: Any) -> None:
+    """Ends the stream the way a worker that stops does: half-close, then read to the end. The
+    scheduler handles a stream's messages in order before it ends the stream, so every message the
+    test sent has taken effect when this returns (a bare cancel could drop the last ones)."""
+    if call.done():
+        return  # the test ended or cancelled it itself
+    try:
+        await asyncio.wait_for(call.done_writing(), WAIT_S)
+
+        async def drain() -> None:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+
+        await asyncio.wait_for(drain(), WAIT_S)
+    except (grpc.aio.AioRpcError, TimeoutError, asyncio.InvalidStateError):
+        pass  # the stream had already ended (or broke): nothing is left to take effect
     finally:
         call.cancel()

@@ -61,7 +61,10 @@ def job_specs(draw: st.DrawFn) -> pb.JobSpec:
     )
     fields = [f for f in pb.JobSpec.DESCRIPTOR.fields if f.name not in ("labels", "webhook")]
     for field in draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3)):
-        setattr(spec, field.name, draw(_value_for(field)))
+        if field.is_repeated:  # validation_prompts
+            getattr(spec, field.name).extend(draw(st.lists(_value_for(field), max_size=20)))
+        else:
+            setattr(spec, field.name, draw(_value_for(field)))
     if draw(st.booleans()):
         for key, value in draw(st.dictionaries(texts, texts, max_size=3)).items():
             spec.labels[key] = value
@@ -292,9 +295,13 @@ async def test_bad_worker_messages_never_cause_an_internal_error(fleet: Fleet) -
             @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
             @given(message=WORKER_MESSAGES)
             def one(message: fpb.ConnectRequest) -> None:
+                # A machine id per example: each stream is a machine of its own.
+                outcomes["examples"] += 1
                 hello = fpb.ConnectRequest(
                     hello=fpb.Hello(
-                        machine_id="fuzz", vram_mb=1, qualification=fpb.Qualification(passed=True)
+                        machine_id=f"fuzz-{outcomes['examples']}",
+                        vram_mb=1,
+                        qualification=fpb.Qualification(passed=True),
                     )
                 )
                 responses = stub.Connect(iter([hello, message]), metadata=metadata, timeout=10)

@@ -3,17 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import uuid
 
 import asyncpg
 import pytest
 
-from lorafleet.model import Checkpoint, FailureClass, JobResult, JobState, checkpoint_key
-from lorafleet.scheduler.database import migrate, migrations
-from lorafleet.scheduler.ledger import Ledger, NewJob
-from lorafleet.spec import JobSpec
+from lorafleet.core.model import (
+    Checkpoint,
+    FailureClass,
+    JobResult,
+    JobState,
+    Machine,
+    Qualification,
+    checkpoint_key,
+)
+from lorafleet.core.spec import JobSpec
+from lorafleet.scheduler.ledger import (
+    ApiKeyInfo,
+    LeaseRecord,
+    Ledger,
+    NewJob,
+    WebhookDeliveryRecord,
+)
 
 TTL_S = 30.0
+# The digest of a lease secret; these tests drive the ledger directly, without a stream.
+SECRET = bytes(32)
 
 
 def new_job(
@@ -46,8 +63,8 @@ async def test_claim_order_requeued_then_priority_then_age(ledger: Ledger) -> No
     )
     # Give the low-priority job progress: claim it first by making it the only candidate.
     claimed = []
-    for _ in range(3):
-        job = await ledger.claim_job("m0", 80_000, TTL_S)
+    for i in range(3):  # one live lease per machine: three machines
+        job = await ledger.claim_job(f"m0-{i}", 80_000, TTL_S, secret_sha256=SECRET)
         assert job is not None
         claimed.append(job.job_id)
     assert claimed == [high.job_id, old_low.job_id, requeued.job_id]
@@ -56,9 +73,11 @@ async def test_claim_order_requeued_then_priority_then_age(ledger: Ledger) -> No
     )
     assert drained is not None and drained.state is JobState.QUEUED
     fresh = (await ledger.insert_jobs("alice", [new_job(priority=100)]))[0]
-    nxt = await ledger.claim_job("m1", 80_000, TTL_S)
+    nxt = await ledger.claim_job("m1", 80_000, TTL_S, secret_sha256=SECRET)
     assert nxt is not None and nxt.job_id == requeued.job_id and nxt.epoch == 2
-    assert (await ledger.claim_job("m1", 80_000, TTL_S)).job_id == fresh.job_id  # type: ignore[union-attr]
+    assert (
+        await ledger.claim_job("m2", 80_000, TTL_S, secret_sha256=SECRET)
+    ).job_id == fresh.job_id  # type: ignore[union-attr]
 
 
 def _lease(job: object) -> str:
@@ -69,21 +88,38 @@ def _lease(job: object) -> str:
 
 async def test_vram_filter_and_node_ban(ledger: Ledger) -> None:
     job = (await ledger.insert_jobs("alice", [new_job(min_vram_mb=24_000)]))[0]
-    assert await ledger.claim_job("small", 16_000, TTL_S) is None
-    granted = await ledger.claim_job("big", 24_000, TTL_S)
+    assert await ledger.claim_job("small", 16_000, TTL_S, secret_sha256=SECRET) is None
+    granted = await ledger.claim_job("big", 24_000, TTL_S, secret_sha256=SECRET)
     assert granted is not None and granted.job_id == job.job_id
     failed = await ledger.fail_attempt(
         _lease(granted), granted.epoch, FailureClass.NODE, "CUDA error"
     )
     assert failed is not None and failed.state is JobState.QUEUED and failed.failures == 1
-    assert await ledger.claim_job("big", 24_000, TTL_S) is None  # banned there
-    assert (await ledger.claim_job("big2", 24_000, TTL_S)) is not None
+    assert (
+        await ledger.claim_job("big", 24_000, TTL_S, secret_sha256=SECRET) is None
+    )  # banned there
+    assert (await ledger.claim_job("big2", 24_000, TTL_S, secret_sha256=SECRET)) is not None
+
+
+@pytest.mark.parametrize("failure_class", [FailureClass.NODE, FailureClass.INTERNAL])
+async def test_a_machine_a_job_failed_on_never_gets_it_again(
+    ledger: Ledger, failure_class: FailureClass
+) -> None:
+    """A broken worker (its model missing: INTERNAL) must not use up a job's max_failures by
+    itself: the job goes to other machines, never back to it."""
+    job = (await ledger.insert_jobs("alice", [new_job(max_failures=3)]))[0]
+    granted = await ledger.claim_job("broken", 0, TTL_S, secret_sha256=SECRET)
+    assert granted is not None and granted.job_id == job.job_id
+    after = await ledger.fail_attempt(_lease(granted), granted.epoch, failure_class, "boom")
+    assert after is not None and after.state is JobState.QUEUED and after.failures == 1
+    assert await ledger.claim_job("broken", 0, TTL_S, secret_sha256=SECRET) is None
+    assert await ledger.claim_job("healthy", 0, TTL_S, secret_sha256=SECRET) is not None
 
 
 async def test_max_failures_and_input_fault(ledger: Ledger) -> None:
     job = (await ledger.insert_jobs("alice", [new_job(max_failures=2)]))[0]
     for machine, expected in (("a", JobState.QUEUED), ("b", JobState.FAILED)):
-        granted = await ledger.claim_job(machine, 0, TTL_S)
+        granted = await ledger.claim_job(machine, 0, TTL_S, secret_sha256=SECRET)
         assert granted is not None
         after = await ledger.fail_attempt(
             _lease(granted), granted.epoch, FailureClass.INTERNAL, "bug"
@@ -95,22 +131,30 @@ async def test_max_failures_and_input_fault(ledger: Ledger) -> None:
     )
 
     bad = (await ledger.insert_jobs("alice", [new_job(max_failures=5)]))[0]
-    granted = await ledger.claim_job("c", 0, TTL_S)
+    granted = await ledger.claim_job("c", 0, TTL_S, secret_sha256=SECRET)
     assert granted is not None and granted.job_id == bad.job_id
     after = await ledger.fail_attempt(
         _lease(granted), granted.epoch, FailureClass.INPUT, "x.png: unreadable"
     )
+    # One machine's word is not enough: banned, re-queued, no failure counted.
+    assert after is not None and after.state is JobState.QUEUED and after.failures == 0
+    assert await ledger.claim_job("c", 0, TTL_S, secret_sha256=SECRET) is None
+    again = await ledger.claim_job("d", 0, TTL_S, secret_sha256=SECRET)
+    assert again is not None and again.job_id == bad.job_id
+    after = await ledger.fail_attempt(
+        _lease(again), again.epoch, FailureClass.INPUT, "x.png: unreadable"
+    )
     assert after is not None and after.state is JobState.FAILED and after.failures == 0
-    assert await ledger.claim_job("d", 0, TTL_S) is None
+    assert await ledger.claim_job("e", 0, TTL_S, secret_sha256=SECRET) is None
 
 
 async def test_stale_epoch_is_fenced_off(ledger: Ledger) -> None:
     await ledger.insert_jobs("alice", [new_job()])
-    first = await ledger.claim_job("a", 0, 0.0)  # expires at once
+    first = await ledger.claim_job("a", 0, 0.0, secret_sha256=SECRET)  # expires at once
     assert first is not None
     expired = await ledger.expire_leases()
     assert [e.job_id for e in expired] == [first.job_id]
-    second = await ledger.claim_job("b", 0, TTL_S)
+    second = await ledger.claim_job("b", 0, TTL_S, secret_sha256=SECRET)
     assert second is not None and second.epoch == first.epoch + 1
     stale = _lease(first)
     ckpt = Checkpoint(
@@ -155,7 +199,7 @@ async def test_stale_epoch_is_fenced_off(ledger: Ledger) -> None:
 
 async def test_checkpoint_retention_and_cleanup_on_finish(ledger: Ledger) -> None:
     job = (await ledger.insert_jobs("alice", [new_job()]))[0]
-    granted = await ledger.claim_job("a", 0, TTL_S)
+    granted = await ledger.claim_job("a", 0, TTL_S, secret_sha256=SECRET)
     assert granted is not None
     lease = _lease(granted)
     for step in (10, 20, 30, 40):
@@ -186,7 +230,7 @@ async def test_checkpoint_retention_and_cleanup_on_finish(ledger: Ledger) -> Non
 
 async def test_cancel_and_events_timeline(ledger: Ledger) -> None:
     job = (await ledger.insert_jobs("alice", [new_job()]))[0]
-    granted = await ledger.claim_job("a", 0, TTL_S)
+    granted = await ledger.claim_job("a", 0, TTL_S, secret_sha256=SECRET)
     assert granted is not None
     assert await ledger.cancel_job(job.job_id, "bob") is None
     canceled = await ledger.cancel_job(job.job_id, "alice")
@@ -200,43 +244,22 @@ async def test_cancel_and_events_timeline(ledger: Ledger) -> None:
 
 async def test_concurrent_claims_never_grant_twice(ledger: Ledger) -> None:
     jobs = await ledger.insert_jobs("alice", [new_job() for _ in range(40)])
-    results = await asyncio.gather(*(ledger.claim_job(f"m{i}", 0, TTL_S) for i in range(60)))
+    results = await asyncio.gather(
+        *(ledger.claim_job(f"m{i}", 0, TTL_S, secret_sha256=SECRET) for i in range(60))
+    )
     granted = [r.job_id for r in results if r is not None]
     assert len(granted) == len(set(granted)) == 40
     assert set(granted) == {j.job_id for j in jobs}
-
-
-async def test_migrations_equal_schema_and_are_idempotent(database_url: str) -> None:
-    """Applying the migrations again is a no-op; the template schema equals a fresh migration."""
-    conn = await asyncpg.connect(database_url)
-    try:
-        assert await migrate(conn) == []
-        versions = [
-            r[0] for r in await conn.fetch("SELECT version FROM schema_migrations ORDER BY 1")
-        ]
-        assert versions == [m.version for m in migrations()]
-    finally:
-        await conn.close()
-
-
-async def test_an_edited_applied_migration_is_refused(database_url: str) -> None:
-    conn = await asyncpg.connect(database_url)
-    try:
-        await conn.execute("UPDATE schema_migrations SET sha256 = 'edited' WHERE version = 1")
-        with pytest.raises(RuntimeError, match="changed after it was applied"):
-            await migrate(conn)
-    finally:
-        await conn.close()
 
 
 async def test_gpu_seconds_bill_leases_to_their_end_or_last_heartbeat(
     ledger: Ledger, database_url: str
 ) -> None:
     job = (await ledger.insert_jobs("alice", [new_job()]))[0]
-    first = await ledger.claim_job("a", 0, 0.0)
+    first = await ledger.claim_job("a", 0, 0.0, secret_sha256=SECRET)
     assert first is not None
     await ledger.expire_leases()  # vanished node: billed up to its last heartbeat
-    second = await ledger.claim_job("b", 0, TTL_S)
+    second = await ledger.claim_job("b", 0, TTL_S, secret_sha256=SECRET)
     assert second is not None
     await ledger.succeed_job(
         _lease(second),
@@ -259,3 +282,107 @@ async def test_gpu_seconds_bill_leases_to_their_end_or_last_heartbeat(
         await conn.close()
     billed = await ledger.get_job(job.job_id, "alice")
     assert billed is not None and billed.gpu_seconds == pytest.approx(60 + 30)
+
+
+async def test_api_keys_list_as_domain_values(ledger: Ledger) -> None:
+    await ledger.insert_api_key("k1", "alice", b"a" * 32, webhook_url="https://example.com/h")
+    await ledger.insert_api_key("k2", "bob", b"b" * 32)
+    assert await ledger.revoke_api_key("k2")
+    first, second = await ledger.list_api_keys()
+    assert isinstance(first, ApiKeyInfo)
+    assert (first.key_id, first.owner, first.webhook_url, first.revoked_at) == (
+        "k1",
+        "alice",
+        "https://example.com/h",
+        None,
+    )
+    assert second.key_id == "k2" and second.revoked_at is not None
+    assert second.revoked_at >= second.created_at
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.owner = "mallory"  # type: ignore[misc]
+
+
+async def test_job_leases_are_the_audit_trail_as_domain_values(ledger: Ledger) -> None:
+    job = (await ledger.insert_jobs("alice", [new_job()]))[0]
+    first = await ledger.claim_job("a", 0, 0.0, secret_sha256=SECRET)
+    assert first is not None
+    await ledger.expire_leases()
+    second = await ledger.claim_job("b", 0, TTL_S, secret_sha256=SECRET)
+    assert second is not None
+    expired, live = await ledger.job_leases(job.job_id)
+    assert isinstance(expired, LeaseRecord)
+    assert (expired.lease_id, expired.job_id, expired.epoch, expired.machine_id) == (
+        first.lease_id,
+        job.job_id,
+        1,
+        "a",
+    )
+    assert expired.end_reason == "expired" and expired.ended_at is not None
+    assert (live.lease_id, live.epoch, live.ended_at, live.end_reason) == (
+        second.lease_id,
+        2,
+        None,
+        None,
+    )
+    assert live.granted_at <= live.last_heartbeat_at
+
+
+async def test_webhook_deliveries_list_as_domain_values(ledger: Ledger) -> None:
+    await ledger.insert_api_key(
+        "k1", "alice", b"a" * 32, webhook_url="https://example.com/h", webhook_events=["canceled"]
+    )
+    job = (await ledger.insert_jobs("alice", [new_job()], api_key_id="k1"))[0]
+    assert await ledger.cancel_job(job.job_id, "alice") is not None
+    (claimed,) = await ledger.claim_webhook_deliveries(10, 30.0)
+    await ledger.webhook_failed(claimed.delivery_id, 503, "HTTP 503", None)
+    (delivery,) = await ledger.list_webhook_deliveries(job.job_id)
+    assert isinstance(delivery, WebhookDeliveryRecord)
+    assert (delivery.delivery_id, delivery.event, delivery.url, delivery.attempts) == (
+        claimed.delivery_id,
+        "canceled",
+        "https://example.com/h",
+        1,
+    )
+    assert (delivery.last_status, delivery.last_error, delivery.delivered_at) == (
+        503,
+        "HTTP 503",
+        None,
+    )
+    assert delivery.gave_up_at is not None and delivery.created_at <= delivery.gave_up_at
+
+
+async def test_machine_qualification_is_stored_from_a_domain_value(
+    ledger: Ledger, database_url: str
+) -> None:
+    machine = Machine(
+        machine_id="m1",
+        provider_instance_id="i-1",
+        gpu_model="L4",
+        vram_mb=24_000,
+        qualified=True,
+        version="1.0",
+    )
+    qualification = Qualification(
+        passed=True,
+        detail="ok",
+        tflops=30.5,
+        free_memory_mb=20_000,
+        free_disk_mb=50_000,
+        versions={"torch": "2.5"},
+    )
+    await ledger.upsert_machine(machine, qualification)
+    conn = await asyncpg.connect(database_url)
+    try:
+        stored = await conn.fetchval(
+            "SELECT qualification::text FROM machines WHERE machine_id = 'm1'"
+        )
+    finally:
+        await conn.close()
+    assert json.loads(stored) == {
+        "passed": True,
+        "detail": "ok",
+        "tflops": 30.5,
+        "free_memory_mb": 20_000,
+        "free_disk_mb": 50_000,
+        "versions": {"torch": "2.5"},
+    }

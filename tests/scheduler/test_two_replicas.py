@@ -25,10 +25,10 @@ import aiohttp
 import asyncpg
 import grpc
 
+from lorafleet.core.model import upload_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
-from lorafleet.model import upload_key
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.ledger import Ledger
 from lorafleet.scheduler.storage import LocalObjectStore, LocalStoreConfig
@@ -52,7 +52,7 @@ async def replica(database_url: str, data_dir: Path) -> AsyncIterator[int]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "lorafleet.cli.main",
+        "lorafleet.app.main",
         "scheduler",
         "--listen",
         "127.0.0.1:0",
@@ -78,8 +78,8 @@ async def replica(database_url: str, data_dir: Path) -> AsyncIterator[int]:
             proc.terminate()
         async with asyncio.timeout(30):
             await proc.wait()
-    await drain
-    assert proc.returncode == 0, f"replica exited with {proc.returncode}"
+    output = (await drain).decode(errors="replace")
+    assert proc.returncode == 0, f"replica exited with {proc.returncode}: {output[-3000:]}"
 
 
 async def run_worker(

@@ -9,9 +9,9 @@ import aiohttp
 import grpc
 import pytest
 
+from lorafleet.core.model import checkpoint_key, result_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
-from lorafleet.model import checkpoint_key, result_key
 from lorafleet.scheduler.ledger import Ledger
 from tests.scheduler.conftest import Fleet
 from tests.scheduler.harness import connect_worker
@@ -119,7 +119,7 @@ async def test_checkpoints_retention_and_success(fleet: Fleet) -> None:
         await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_SUCCEEDED)
         # Finishing deletes every checkpoint (a background task and the sweeper both do it;
         # running it once more here is idempotent and makes the check deterministic).
-        await fleet.scheduler.fleet.prune_checkpoints(job.job_id)
+        await fleet.scheduler.sweeper.prune_checkpoints(job.job_id)
         assert await store.list(f"jobs/{job.job_id}/checkpoints/") == []
         done = await fleet.alice.get(job.job_id)
         assert done.state == pb.JOB_STATE_SUCCEEDED
@@ -168,7 +168,7 @@ async def test_ttl_expiry_requeues_first_and_fences_the_old_holder(fleet: Fleet)
     kinds = [e.kind for e in await fleet.alice.events(job.job_id)]
     assert pb.JOB_EVENT_KIND_LEASE_EXPIRED in kinds and pb.JOB_EVENT_KIND_DRAINED in kinds
     audit = await fleet.scheduler.ledger.job_leases(job.job_id)
-    assert [(lease["epoch"], lease["machine_id"], lease["end_reason"]) for lease in audit] == [
+    assert [(lease.epoch, lease.machine_id, lease.end_reason) for lease in audit] == [
         (1, "slow", "expired"),
         (2, "fast", "drained"),
         (3, "slow", None),
@@ -210,21 +210,41 @@ async def test_node_failures_ban_and_count(fleet: Fleet) -> None:
     ] == ["a", "b"]
 
 
-async def test_input_failure_fails_at_once_and_bans_nobody(fleet: Fleet) -> None:
+async def test_an_input_failure_fails_the_job_once_a_second_machine_confirms_it(
+    fleet: Fleet,
+) -> None:
+    """One machine alone cannot fail a job by calling its inputs bad (workers are strangers'
+    machines): its report bans it from the job and re-queues it, counting no failure; a second
+    machine's input fault fails the job with no failure counted against any node."""
     job = await fleet.alice.submit(max_failures=5)
-    async with connect_worker(fleet.channel, fleet.token, "a") as a:
-        granted = await a.ready_for_lease()
-        await a.send(
-            job_failed=fpb.JobFailed(
-                lease=a.ref(granted.lease),
-                failure_class=pb.FAILURE_CLASS_INPUT,
-                message="x.png: unreadable",
+    for machine_id in ("a", "b"):
+        async with connect_worker(fleet.channel, fleet.token, machine_id) as worker:
+            granted = await worker.ready_for_lease()
+            await worker.send(
+                job_failed=fpb.JobFailed(
+                    lease=worker.ref(granted.lease),
+                    failure_class=pb.FAILURE_CLASS_INPUT,
+                    message=f"x.png: unreadable (on {machine_id})",
+                )
             )
-        )
-        failed = await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_FAILED)
+            # Wait for the report's effect before closing the stream: a stream cancelled
+            # straight after a send may lose that message (a real worker says it again).
+            if machine_id == "a":
+                requeued = await fleet.alice.wait_for(
+                    job.job_id, lambda j: j.state == pb.JOB_STATE_QUEUED
+                )
+                assert requeued.failures == 0 and not requeued.error
+            else:
+                failed = await fleet.alice.wait_for(
+                    job.job_id, lambda j: j.state == pb.JOB_STATE_FAILED
+                )
     assert failed.failures == 0 and failed.failure_class == pb.FAILURE_CLASS_INPUT
-    assert failed.error == "x.png: unreadable"
-    assert await fleet.scheduler.ledger.claim_job("a", 0, 30) is None
+    assert failed.error == "x.png: unreadable (on b)"
+    for machine_id in ("a", "b", "c"):
+        assert (
+            await fleet.scheduler.ledger.claim_job(machine_id, 0, 30, secret_sha256=bytes(32))
+            is None
+        )
 
 
 async def test_cancel_is_pushed_to_the_holder(fleet: Fleet) -> None:
@@ -369,7 +389,7 @@ async def test_scheduler_stop_ends_streams_without_telling_workers_to_stop(fleet
     await fleet.alice.submit()
     async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
         granted = await worker.ready_for_lease()
-        await fleet.scheduler.shutdown()
+        await fleet.scheduler.close()
         rest = []
         while (message := await worker.call.read()) is not grpc.aio.EOF:
             rest.append(message.WhichOneof("message"))
@@ -380,3 +400,75 @@ async def test_scheduler_stop_ends_streams_without_telling_workers_to_stop(fleet
     finally:
         await ledger.close()
     assert job is not None and job.lease_id == granted.lease.lease_id  # still its lease
+
+
+async def test_a_holders_notice_goes_on_the_timeline_and_a_strangers_does_not(
+    fleet: Fleet,
+) -> None:
+    job = await fleet.alice.submit()
+    async with (
+        connect_worker(fleet.channel, fleet.token, "m1") as holder,
+        connect_worker(fleet.channel, fleet.token, "m2") as stranger,
+    ):
+        granted = await holder.ready_for_lease()
+        ref = holder.ref(granted.lease)
+        await stranger.send(notice=fpb.Notice(lease=ref, message="forged"))
+        await holder.send(
+            notice=fpb.Notice(lease=ref, message="checkpoint at step 10 could not be stored")
+        )
+        await holder.heartbeat(granted.lease, 11)
+        await fleet.alice.wait_for(job.job_id, lambda j: j.progress.step == 11)
+    notices = [
+        e.message
+        for e in await fleet.alice.events(job.job_id)
+        if e.kind == pb.JOB_EVENT_KIND_NOTICE
+    ]
+    assert notices == ["checkpoint at step 10 could not be stored"]
+
+
+async def test_a_resumed_job_is_granted_from_its_checkpoint_and_forgets_deleted_ones(
+    fleet: Fleet,
+) -> None:
+    job = await fleet.alice.submit()
+    async with connect_worker(fleet.channel, fleet.token, "m1") as first:
+        granted = await first.ready_for_lease()
+        await first.store_checkpoint(granted.lease, 10)
+        await first.heartbeat(granted.lease, 17)
+        await first.send(draining=fpb.Draining(lease=first.ref(granted.lease), reason="stop"))
+        await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_QUEUED)
+    async with connect_worker(fleet.channel, fleet.token, "m2") as second:
+        again = await second.ready_for_lease()
+        grants = [
+            e
+            for e in await fleet.alice.events(job.job_id)
+            if e.kind == pb.JOB_EVENT_KIND_LEASE_GRANTED
+        ]
+        # The second lease starts from the checkpoint (10), not the first holder's last step.
+        assert [g.step for g in grants] == [0, 10]
+        await fleet.alice.cancel(job.job_id)
+        await second.expect("lease_revoked")
+        assert again.lease.epoch == 2
+    # Cancel deletes the job's checkpoints; the job no longer shows one.
+    await fleet.scheduler.sweeper.prune_checkpoints(job.job_id)
+    assert not (await fleet.alice.get(job.job_id)).HasField("latest_checkpoint")
+
+
+async def test_a_finished_jobs_unrecorded_objects_are_swept_from_storage(fleet: Fleet) -> None:
+    """A lease that ends between an upload and its announcement leaves an object the ledger
+    never recorded; retention deletes only recorded ones, so the finished job's sweep does."""
+    job = await fleet.alice.submit()
+    store = fleet.scheduler.storage
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        granted = await worker.ready_for_lease()
+        ref = worker.ref(granted.lease)
+        slot = fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_CHECKPOINT, step=30)
+        await worker.send(urls_requested=fpb.UrlsRequested(lease=ref, slots=[slot]))
+        (upload,) = (await worker.expect("urls_renewed")).urls.uploads
+        await _put(upload.url, b"stored, never announced")
+        await worker.store_checkpoint(granted.lease, 10)
+        await worker.store_result(granted, 40, b"the lora")
+        done = await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_SUCCEEDED)
+    await fleet.scheduler.sweeper.sweep_once()
+    left = [o.key for o in await store.list(f"jobs/{job.job_id}/")]
+    assert left == [done.result.key]
+    assert await store.get_bytes(done.result.key) == b"the lora"

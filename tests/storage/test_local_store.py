@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from lorafleet.errors import StorageError
+from lorafleet.core.errors import StorageError
 from lorafleet.scheduler.storage import (
     LocalObjectServer,
     LocalObjectStore,
@@ -293,8 +293,8 @@ async def test_interrupted_upload_leaves_no_object_and_no_temporary_file(
     config = LocalStoreConfig(root_dir=objects_dir, secret_key=SECRET)
     store = LocalObjectStore(config, clock=clock)
     await store.start()
-    await store.put_bytes("jobs/j/checkpoints/1-e1", b"old version")
-    put = await store.presign_put("jobs/j/checkpoints/1-e1", ttl_s=60)
+    await store.put_bytes("jobs/j/checkpoints/1-e1", b"committed")
+    put = await store.presign_put("jobs/j/checkpoints/2-e1", ttl_s=60)
     target = urlsplit(put.url)
 
     reader, writer = await asyncio.open_connection("127.0.0.1", store.server.port)
@@ -311,7 +311,8 @@ async def test_interrupted_upload_leaves_no_object_and_no_temporary_file(
     # Shutdown waits for the abandoned handler, so what is on disk afterwards is final.
     await store.close()
 
-    assert await store.get_bytes("jobs/j/checkpoints/1-e1") == b"old version"
+    with pytest.raises(ObjectNotFound):
+        await store.get_bytes("jobs/j/checkpoints/2-e1")
     assert _files_under(objects_dir) == ["jobs/j/checkpoints/1-e1"]
 
 
@@ -401,8 +402,8 @@ async def test_server_lifecycle(objects_dir: Path) -> None:
         await server.start()
         assert server.base_url == f"http://127.0.0.1:{server.port}"
         port = server.port
-        await server.shutdown()
-        await server.shutdown()
+        await server.close()
+        await server.close()
     with pytest.raises(RuntimeError, match="not started"):
         _ = server.port
     with pytest.raises(ConnectionRefusedError):

@@ -3,7 +3,6 @@ backend's error translation."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 from datetime import UTC, datetime, timedelta
@@ -12,7 +11,7 @@ from pathlib import Path
 import botocore.exceptions
 import pytest
 
-from lorafleet.errors import InvalidArgument, StorageError
+from lorafleet.core.errors import InvalidArgument, StorageError
 from lorafleet.scheduler.storage import (
     MAX_URL_TTL_S,
     LocalObjectStore,
@@ -40,7 +39,7 @@ async def test_presigned_put_then_get_round_trip(
     before = datetime.now(UTC)
     assert before + timedelta(seconds=590) < put.expires_at <= before + timedelta(seconds=601)
 
-    await transfer.upload(put.url, data, sha256=hashlib.sha256(data).hexdigest())
+    await transfer.upload(put.url, data)
 
     get = await store.presign_get(key, ttl_s=600)
     assert get.method == "GET"

@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import pytest
 from aiohttp import web
 
-from lorafleet.errors import StorageError
-from lorafleet.worker.transfer import TransferClient, TransferConfig, redact_url
+from lorafleet.core.errors import StorageError
+from lorafleet.worker import transfer as transfer_module
+from lorafleet.worker.transfer import TransferClient, TransferConfig, content_md5, redact_url
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -82,19 +84,52 @@ async def client() -> AsyncIterator[TransferClient]:
         yield transfer
 
 
-async def test_upload_survives_503s(flaky: tuple[Flaky, str], client: TransferClient) -> None:
+async def test_upload_survives_503s(
+    flaky: tuple[Flaky, str], client: TransferClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state, base = flaky
     state.failures = 2
+    waits: list[tuple[int, float, float]] = []
+
+    def recording_backoff(attempt: int, *, initial_s: float, max_s: float) -> float:
+        waits.append((attempt, initial_s, max_s))
+        return 0.0
+
+    # The shared backoff rule, from attempt 0, with the configured bounds.
+    monkeypatch.setattr(transfer_module, "backoff_delay", recording_backoff)
     data = b"checkpoint" * 1000
-    await client.upload(f"{base}/k?sig=abc", data, sha256=hashlib.sha256(data).hexdigest())
+    await client.upload(f"{base}/k?sig=abc", data)
     assert state.requests == 3
     assert state.stored["/k"] == data
+    assert waits == [(n, FAST.initial_backoff_s, FAST.max_backoff_s) for n in (0, 1)]
     # Every attempt sent the whole body with its length and digest.
     md5 = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
     for headers in state.headers:
         assert headers["Content-Length"] == str(len(data))
         assert headers["Content-MD5"] == md5
         assert "Transfer-Encoding" not in headers
+
+
+async def test_upload_digest_is_computed_off_the_event_loop_or_taken_as_given(
+    flaky: tuple[Flaky, str], client: TransferClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, base = flaky
+    threads: list[int] = []
+
+    def recording_md5(data: bytes) -> str:
+        threads.append(threading.get_ident())
+        return content_md5(data)
+
+    monkeypatch.setattr(transfer_module, "content_md5", recording_md5)
+    await client.upload(f"{base}/a", b"image")
+    assert len(threads) == 1 and threads[0] != threading.get_ident()
+    assert state.headers[-1]["Content-MD5"] == content_md5(b"image")
+
+    # A digest the caller computed already (beside its sha256) is sent as it is.
+    await client.upload(f"{base}/b", b"blob", md5=content_md5(b"blob"))
+    assert len(threads) == 1
+    assert state.headers[-1]["Content-MD5"] == content_md5(b"blob")
+    assert state.stored["/b"] == b"blob"
 
 
 async def test_download_survives_429_and_dropped_connections(
@@ -131,6 +166,37 @@ async def test_403_is_not_retried(flaky: tuple[Flaky, str], client: TransferClie
     assert "URL expired" in str(error)
     # The signature is a credential: it must not leak into messages or logs.
     assert "topsecret" not in str(error)
+
+
+async def test_every_put_is_create_only(flaky: tuple[Flaky, str], client: TransferClient) -> None:
+    # Write-once stores: S3 URLs sign `If-None-Match: *`, so a PUT without it is refused there.
+    state, base = flaky
+    await client.upload(f"{base}/k", b"data", md5=content_md5(b"data"))
+    await client.upload(f"{base}/l", b"data")
+    assert [headers["If-None-Match"] for headers in state.headers] == ["*", "*"]
+
+
+async def test_412_is_an_error_unless_an_earlier_attempt_may_have_stored_it(
+    flaky: tuple[Flaky, str], client: TransferClient
+) -> None:
+    state, base = flaky
+    # On the first attempt the key was taken by someone else: raised, not retried.
+    state.failures = 1
+    state.failure = lambda _: web.Response(status=412, text="an object already exists at key")
+    with pytest.raises(StorageError, match="412") as caught:
+        await client.upload(f"{base}/k", b"forged")
+    assert caught.value.retryable is False
+    assert "already exists" in str(caught.value)
+    assert state.requests == 1
+
+    # The first attempt's connection drops after the body went out (the store may have kept
+    # it); the retry finds the key taken. The upload is done: the scheduler verifies the bytes.
+    state.requests = 0
+    state.failures = 2
+    answers = iter([_Drop(), web.Response(status=412, text="already exists")])
+    state.failure = lambda _: next(answers)
+    await client.upload(f"{base}/l", b"checkpoint")
+    assert state.requests == 2
 
 
 async def test_attempts_are_bounded(flaky: tuple[Flaky, str], client: TransferClient) -> None:
@@ -188,15 +254,6 @@ async def test_download_many_raises_the_first_failure(
     assert caught.value.retryable is False
     with pytest.raises(ValueError, match="distinct"):
         await client.download_many([("a", f"{base}/a"), ("a", f"{base}/b")])
-
-
-async def test_upload_checks_the_given_sha256_before_sending(
-    flaky: tuple[Flaky, str], client: TransferClient
-) -> None:
-    state, base = flaky
-    with pytest.raises(ValueError, match="sha256"):
-        await client.upload(f"{base}/k", b"data", sha256=hashlib.sha256(b"other").hexdigest())
-    assert state.requests == 0
 
 
 async def test_client_lifecycle() -> None:

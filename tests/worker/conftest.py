@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from lorafleet.spec import JobSpec
+from lorafleet.core.spec import JobSpec
 from lorafleet.worker.tiny_model import build_tiny_model
 from lorafleet.worker.training import Trainer, TrainingImage, TrainingOutcome, TrainingSnapshot
 from tests.worker.support import Recorder, TrainFn, instance_images, make_config

@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 from PIL import Image
 
-from lorafleet.spec import JobSpec
+from lorafleet.core.spec import JobSpec
 from lorafleet.worker.training import (
     Finished,
     StopReason,
@@ -83,7 +83,6 @@ class Recorder:
     progress: list[tuple[int, float, float, float]] = field(default_factory=list)
     snapshots: list[TrainingSnapshot] = field(default_factory=list)
     class_images: list[tuple[int, bytes]] = field(default_factory=list)
-    validation: list[tuple[int, list[bytes]]] = field(default_factory=list)
     stop_at: int | None = None
     stop_reason: StopReason = "drain"
 
@@ -93,7 +92,6 @@ class Recorder:
             should_stop=self._should_stop,
             on_checkpoint=self.snapshots.append,
             on_class_images=self.class_images.extend,
-            on_validation_images=lambda step, pngs: self.validation.append((step, pngs)),
         )
 
     def _should_stop(self) -> StopReason | None:
@@ -110,7 +108,6 @@ def make_config(model_dir: Path, spec: JobSpec, **overrides: Any) -> TrainingCon
         "local_files_only": True,
         "sample_steps": 2,
         "sample_batch_size": 2,
-        "num_validation_images": 1,
     }
     values.update(overrides)
     return TrainingConfig(**values)

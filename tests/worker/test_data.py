@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from lorafleet.core.model import FailureClass
 from lorafleet.worker.training import TrainingFailure, TrainingImage, images_from_files
 from lorafleet.worker.training.data import (
     DataOrder,
@@ -52,7 +53,7 @@ def test_every_bad_file_is_named_in_one_input_fault() -> None:
     with pytest.raises(TrainingFailure) as info:
         prepare_images(images, resolution=64, kind="instance")
     failure = info.value
-    assert failure.failure_class == "input"
+    assert failure.failure_class is FailureClass.INPUT
     message = str(failure)
     assert message.startswith("4 of 5 instance images cannot be used")
     assert "notes.png: unreadable" in message
@@ -84,7 +85,7 @@ def test_trainer_reports_bad_images_before_loading_anything(train: TrainFn) -> N
         train(tiny_spec(), images)
     with pytest.raises(TrainingFailure, match="no instance images") as info:
         train(tiny_spec(), [])
-    assert info.value.failure_class == "input"
+    assert info.value.failure_class is FailureClass.INPUT
 
 
 def test_decoding_resizes_shorter_side_and_keeps_original_size() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.errors import InvalidArgument, LorafleetError
+from lorafleet.core.errors import InvalidArgument, LorafleetError
+from lorafleet.core.model import FailureClass
 from lorafleet.worker.training import CorruptCheckpoint, TrainingFailure, classify_exception
 from lorafleet.worker.training.failures import as_training_failure
 
@@ -30,7 +31,7 @@ from lorafleet.worker.training.failures import as_training_failure
     ],
 )
 def test_node_faults(exc: BaseException) -> None:
-    assert classify_exception(exc) == "node"
+    assert classify_exception(exc) == FailureClass.NODE
 
 
 def test_node_fault_found_through_the_cause_chain() -> None:
@@ -40,7 +41,7 @@ def test_node_fault_found_through_the_cause_chain() -> None:
         except RuntimeError as inner:
             raise ValueError("step failed") from inner
     except ValueError as outer:
-        assert classify_exception(outer) == "node"
+        assert classify_exception(outer) == FailureClass.NODE
 
 
 @pytest.mark.parametrize(
@@ -53,29 +54,35 @@ def test_node_fault_found_through_the_cause_chain() -> None:
     ],
 )
 def test_everything_else_is_internal(exc: BaseException) -> None:
-    assert classify_exception(exc) == "internal"
+    assert classify_exception(exc) == FailureClass.INTERNAL
 
 
 def test_explicit_classes_win() -> None:
-    assert classify_exception(TrainingFailure("input", "resolution: too big")) == "input"
-    assert classify_exception(InvalidArgument("resolution", "must be a multiple of 8")) == "input"
-    assert classify_exception(CorruptCheckpoint("digest mismatch")) == "internal"
+    assert (
+        classify_exception(TrainingFailure(FailureClass.INPUT, "resolution: too big"))
+        == FailureClass.INPUT
+    )
+    assert (
+        classify_exception(InvalidArgument("resolution", "must be a multiple of 8"))
+        == FailureClass.INPUT
+    )
+    assert classify_exception(CorruptCheckpoint("digest mismatch")) == FailureClass.INTERNAL
 
 
 def test_training_failure_is_a_lorafleet_error_with_retryability() -> None:
     assert issubclass(TrainingFailure, LorafleetError)
-    assert TrainingFailure("input", "x").retryable is False
-    assert TrainingFailure("node", "x").retryable is True
-    assert TrainingFailure("internal", "x").retryable is True
+    assert TrainingFailure(FailureClass.INPUT, "x").retryable is False
+    assert TrainingFailure(FailureClass.NODE, "x").retryable is True
+    assert TrainingFailure(FailureClass.INTERNAL, "x").retryable is True
 
 
 def test_wrapping_keeps_the_cause() -> None:
     original = RuntimeError("CUDA error: misaligned address")
     wrapped = as_training_failure(original)
-    assert wrapped.failure_class == "node"
+    assert wrapped.failure_class == FailureClass.NODE
     assert wrapped.__cause__ is original
     assert "RuntimeError: CUDA error" in str(wrapped)
-    same = TrainingFailure("input", "bad")
+    same = TrainingFailure(FailureClass.INPUT, "bad")
     assert as_training_failure(same) is same
 
 
@@ -84,4 +91,4 @@ def test_chain_cycles_terminate() -> None:
     b = ValueError("b")
     a.__context__ = b
     b.__context__ = a
-    assert classify_exception(a) == "internal"
+    assert classify_exception(a) == FailureClass.INTERNAL

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,9 @@ import pytest
 import torch
 import transformers
 
+from lorafleet.core.model import FailureClass
 from lorafleet.worker.training.config import resolve_runtime
+from lorafleet.worker.training.failures import TrainingFailure
 from lorafleet.worker.training.lora import add_lora, lora_parameters
 from lorafleet.worker.training.model import encode_prompts, load_components, tokenize
 from tests.worker.support import TrainFn, instance_images, make_config, tiny_spec
@@ -31,7 +35,7 @@ def test_components_load_frozen_with_sdpa(tiny_model_dir: Path) -> None:
         assert encoder.config._attn_implementation == "sdpa"
 
     ids = tokenize(components, ["a photo of sks dog", "a dog"])
-    embeds, pooled = encode_prompts(components, ids)
+    embeds, pooled = encode_prompts(components.text_encoders, ids)
     assert tuple(embeds.shape) == (2, 77, components.unet.config.cross_attention_dim)
     assert tuple(pooled.shape) == (2, components.text_encoder_2.config.projection_dim)
 
@@ -92,3 +96,69 @@ def test_text_encoder_training_encodes_per_step(train: TrainFn, calls: _Calls) -
     train(tiny_spec(max_train_steps=5, train_text_encoder=True), instance_images(3))
     assert calls.text_forward == 5
     assert calls.vae_encode == 1
+
+
+@pytest.mark.parametrize("component", ["unet", "text_encoder", "vae"])
+def test_a_pickled_model_is_refused_as_an_input_fault(
+    tiny_model_dir: Path, tmp_path: Path, component: str
+) -> None:
+    """Loading a pickle can run code: a base model with only .bin weights is the job's fault,
+    named, and never loaded."""
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_model_dir, pickled)
+    folder = pickled / component
+    loader: Any = {
+        "unet": diffusers.UNet2DConditionModel,
+        "text_encoder": transformers.CLIPTextModel,
+        "vae": diffusers.AutoencoderKL,
+    }[component]
+    model = loader.from_pretrained(tiny_model_dir, subfolder=component)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    # The same weights as a pickle, under the name each library would look for.
+    name = "pytorch_model.bin" if component == "text_encoder" else "diffusion_pytorch_model.bin"
+    torch.save(model.state_dict(), folder / name)
+    config = make_config(pickled, tiny_spec())
+    with pytest.raises(TrainingFailure) as refused:
+        load_components(config, resolve_runtime(config))
+    assert refused.value.failure_class is FailureClass.INPUT
+    assert "base_model" in str(refused.value) and "safetensors" in str(refused.value)
+    assert component in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "ref"),
+    [
+        ("base_model", "/nonexistent/models/sdxl"),
+        ("base_model", "./models/sdxl"),
+        ("base_model", "not a repo id"),
+        ("vae_model", "/nonexistent/vae"),
+    ],
+)
+def test_a_missing_model_path_is_an_input_fault_naming_it(
+    tiny_model_dir: Path, field: str, ref: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 16: not a hub repo-id message after three attempts, but the job's fault at once."""
+
+    def no_hub(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the hub must not be asked about a local path")
+
+    monkeypatch.setattr(transformers.CLIPTokenizer, "from_pretrained", no_hub)
+    config = make_config(tiny_model_dir, tiny_spec(**{field: ref}))
+    if field == "base_model":
+        config = dataclasses.replace(config, model_path=None)
+    with pytest.raises(TrainingFailure) as refused:
+        load_components(config, resolve_runtime(config))
+    assert refused.value.failure_class is FailureClass.INPUT
+    assert field in str(refused.value) and ref in str(refused.value)
+
+
+def test_a_model_path_that_is_a_file_is_an_input_fault(tmp_path: Path) -> None:
+    from lorafleet.worker.training.model import check_model_ref
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x")
+    with pytest.raises(TrainingFailure, match="is a file"):
+        check_model_ref("base_model", str(weights))
+    check_model_ref("base_model", "stabilityai/stable-diffusion-xl-base-1.0")  # a hub id: fine
+    check_model_ref("base_model", str(tmp_path))  # a folder: fine

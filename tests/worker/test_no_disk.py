@@ -1,4 +1,4 @@
-"""A training run with checkpoints, class images, validation and a resume writes nothing locally.
+"""A training run with checkpoints, class images and a resume writes nothing locally.
 
 Two independent witnesses:
 
@@ -154,7 +154,7 @@ def test_training_run_writes_nothing_to_local_disk(
         blobs = [serialize_checkpoint(s) for s in first.snapshots]
         blobs.append(serialize_checkpoint(stopped.snapshot))
         classes = [TrainingImage(f"{i}.png", png) for i, png in first.class_images]
-        finished, second = train(spec, class_images=classes, resume=load_checkpoint(blobs[-1]))
+        finished, _ = train(spec, class_images=classes, resume=load_checkpoint(blobs[-1]))
         assert isinstance(finished, Finished)
     assert events == []
     for directory in private:
@@ -166,8 +166,6 @@ def test_training_run_writes_nothing_to_local_disk(
     assert [s.step for s in first.snapshots] == [1, 2, 3]
     assert len(blobs) == 4
     assert len(first.class_images) == 2
-    assert [step for step, _ in first.validation] == [2]
-    assert [step for step, _ in second.validation] == [4]
     assert finished.lora_weights
 
 

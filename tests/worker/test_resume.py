@@ -1,9 +1,11 @@
 """Exact resume: a run interrupted at checkpoints and resumed from the serialized bytes trains
-bit-identical LoRA weights to an uninterrupted run (CPU)."""
+bit-identical LoRA weights to an uninterrupted run (CPU); trainers share no process state."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from lorafleet.worker.training import (
     CorruptCheckpoint,
     Finished,
     Stopped,
+    Trainer,
     TrainingImage,
     TrainingSnapshot,
     load_checkpoint,
@@ -24,6 +27,7 @@ from tests.worker.support import (
     image_bytes,
     instance_images,
     lora_tensors,
+    make_config,
     same_tensors,
     tiny_spec,
 )
@@ -89,6 +93,23 @@ def _resume_in_legs(
             (64, 64),
             id="prior-preservation-snr-offset-bf16",
             marks=pytest.mark.filterwarnings(SAMPLING_WARNING),
+        ),
+        pytest.param(
+            {
+                "optimizer": "prodigy",
+                "learning_rate": 1.0,
+                "use_dora": True,
+                # Dropout under gradient checkpointing: the recomputed forward must draw the
+                # same masks from the run's stream.
+                "lora_dropout": 0.3,
+                "gradient_checkpointing": True,
+                "train_text_encoder": True,
+                "repeats": 2,
+                "random_flip": True,
+            },
+            [2, 3],
+            (64, 64),
+            id="prodigy-dora-dropout-checkpointing-repeats",
         ),
     ],
 )
@@ -176,3 +197,28 @@ def test_checkpoint_of_another_job_is_refused(train: TrainFn) -> None:
     other_images = [TrainingImage("x.png", image_bytes(99))]
     with pytest.raises(CorruptCheckpoint, match="other settings or data"):
         train(tiny_spec(max_train_steps=3), other_images, resume=snapshot)
+
+
+def test_several_trainers_live_in_one_process(tiny_model_dir: Path) -> None:
+    """Nothing of a run is process-wide: trainers with different precision and accumulation
+    run one after another, and a run's result does not depend on the runs before it. Runs
+    started at once take turns and give the same results."""
+    bf16 = tiny_spec(mixed_precision="bf16")
+    fp32 = tiny_spec(gradient_accumulation_steps=2)
+
+    def run(trainer: Trainer) -> Finished:
+        outcome = trainer.run(instance_images=instance_images())
+        assert isinstance(outcome, Finished) and outcome.step == trainer.config.spec.max_train_steps
+        return outcome
+
+    trainers = [Trainer(make_config(tiny_model_dir, spec)) for spec in (bf16, fp32, bf16)]
+    first, other, again = (run(trainer) for trainer in trainers)
+    assert same_tensors(lora_tensors(first), lora_tensors(again))
+    assert not same_tensors(lora_tensors(first), lora_tensors(other))
+
+    at_once = [Trainer(make_config(tiny_model_dir, spec)) for spec in (fp32, bf16)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(run, trainer) for trainer in at_once]
+        done = [future.result(timeout=120) for future in futures]
+    assert same_tensors(lora_tensors(done[0]), lora_tensors(other))
+    assert same_tensors(lora_tensors(done[1]), lora_tensors(first))

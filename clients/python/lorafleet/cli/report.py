@@ -32,8 +32,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from lorafleet.cli.timeline import format_duration, leases_from_events
-from lorafleet.errors import InvalidArgument
-from lorafleet.model import EventKind, Job, JobEvent, JobState
+from lorafleet.core.errors import InvalidArgument
+from lorafleet.core.model import EventKind, Job, JobEvent, JobState
 
 if TYPE_CHECKING:
     from lorafleet.client import AsyncClient

@@ -4,7 +4,8 @@ One horizontal lane per machine (in order of first lease), one bar per lease fro
 end, coloured by how it ended; heartbeat ticks, checkpoint diamonds with their steps,
 interruption crosses where a lease ended without a result, the step curve, and a time axis in
 seconds or minutes from submit. The title carries the job id, state, steps, wall time and
-GPU-seconds.
+GPU-seconds: the ledger's own figure (`Job.gpu_seconds`, reported by the server), never a sum
+recomputed here, so the picture and the bill cannot disagree.
 
 Entry points (the CLI calls `timeline_command`; the rest are pure functions of domain values):
 
@@ -24,6 +25,7 @@ dependency) and PNG (Pillow, imported only when a PNG is asked for, since it liv
 from __future__ import annotations
 
 import asyncio
+import base64
 import enum
 import html
 import io
@@ -33,12 +35,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from lorafleet.errors import FailedPrecondition, InvalidArgument
-from lorafleet.model import EventKind, Job, JobEvent, JobState
+from lorafleet.core.errors import FailedPrecondition, InvalidArgument
+from lorafleet.core.model import EventKind, Job, JobEvent, JobState
 
 if TYPE_CHECKING:
     # Only for annotations: the rendering half of this module needs no gRPC.
     from lorafleet.client import AsyncClient
+    from lorafleet.client.api import SampleImageInfo
 
 __all__ = [
     "CheckpointMark",
@@ -119,25 +122,24 @@ class LeaseSpan:
     heartbeats: tuple[Heartbeat, ...]
     checkpoints: tuple[CheckpointMark, ...]
     resumed_at: tuple[datetime, ...]  # the worker's stream reconnected and kept the lease
+    notices: tuple[tuple[datetime, str], ...] = ()  # problems the holder reported (NOTICE)
 
     @property
     def last_heartbeat_at(self) -> datetime | None:
         return self.heartbeats[-1].at if self.heartbeats else None
 
-    def billed_until(self, now: datetime) -> datetime:
-        """Where the ledger stops billing this lease (the same rule as `Job.gpu_seconds`).
+    @property
+    def silent_since(self) -> datetime | None:
+        """For an expired lease, its holder's last sign of life (the last heartbeat, else the
+        grant): from there until the sweeper noticed, the lease was held but nothing was heard.
+        None for every other lease."""
+        if self.outcome is not LeaseOutcome.EXPIRED:
+            return None
+        return self.last_heartbeat_at or self.granted_at
 
-        An expired lease is billed to its last heartbeat only: the silence before the sweeper
-        noticed was the machine's fault, not work done for the job.
-        """
-        if self.outcome is LeaseOutcome.EXPIRED:
-            return self.last_heartbeat_at or self.granted_at
-        if self.ended_at is not None:
-            return self.ended_at
-        return max(now, self.last_heartbeat_at or self.granted_at)
-
-    def billed_seconds(self, now: datetime) -> float:
-        return max(0.0, (self.billed_until(now) - self.granted_at).total_seconds())
+    def held_seconds(self, now: datetime) -> float:
+        """Grant to end, or to `now` while it is held."""
+        return max(0.0, ((self.ended_at or now) - self.granted_at).total_seconds())
 
 
 @dataclass(kw_only=True)
@@ -156,6 +158,7 @@ class _Draft:
     heartbeats: list[Heartbeat] = field(default_factory=list)
     checkpoints: list[tuple[int, int | None, datetime]] = field(default_factory=list)
     resumed_at: list[datetime] = field(default_factory=list)
+    notices: list[tuple[datetime, str]] = field(default_factory=list)
 
     def freeze(self, deleted: set[tuple[int, int | None]]) -> LeaseSpan:
         return LeaseSpan(
@@ -174,6 +177,7 @@ class _Draft:
                 for s, e, at in self.checkpoints
             ),
             resumed_at=tuple(self.resumed_at),
+            notices=tuple(self.notices),
         )
 
 
@@ -233,6 +237,10 @@ def leases_from_events(events: Iterable[JobEvent]) -> list[LeaseSpan]:
                     newest_checkpoint = max(newest_checkpoint, step)
             else:
                 draft.resumed_at.append(event.at)
+        elif kind is EventKind.NOTICE:
+            noticed = holder(event)
+            if noticed is not None:
+                noticed.notices.append((event.at, event.message or ""))
         elif kind in _ENDINGS:
             draft_or_none = holder(event)
             # A cancel while queued ends no lease; only a held one is closed here.
@@ -376,6 +384,7 @@ _INK = "#222222"
 _MUTED = "#6b6b6b"
 _GRID = "#e4e4e4"
 _CHECKPOINT = "#1d3557"
+_NOTICE = "#f4a261"
 _INTERRUPTION = "#b00020"
 _QUEUED = "#d6d6d6"
 _RUNNING_STRIP = "#c9dcf3"
@@ -428,13 +437,12 @@ def _gpu_seconds(value: float) -> str:
 
 def _title_lines(job: Job, leases: Sequence[LeaseSpan], end: datetime) -> tuple[str, str]:
     wall = (end - job.created_at).total_seconds()
+    # The server's figure (the ledger's billing rule); a Job built without one shows none.
     gpu = job.gpu_seconds
-    if gpu is None:
-        gpu = sum(lease.billed_seconds(end) for lease in leases)
     machines = len({lease.machine_id for lease in leases})
     interruptions = sum(lease.outcome.interruption for lease in leases)
-    gpu_text = f"{_gpu_seconds(gpu)} GPU-s"
-    if gpu >= 3600:
+    gpu_text = "GPU-s not reported" if gpu is None else f"{_gpu_seconds(gpu)} GPU-s"
+    if gpu is not None and gpu >= 3600:
         gpu_text += f" ({gpu / 3600:.2f} GPU-h)"
     parts = [
         f"step {job.progress.step}/{job.spec.max_train_steps}",
@@ -499,7 +507,9 @@ def layout_timeline(
 
     # The job's own state: the queued stretches are the waits for a machine.
     shapes.append(Text(x=_LEFT - 12, y=strip_y + 10, text="job", size=12, anchor="end"))
+    drawn_states: set[JobState] = set()
     for state, seg_start, seg_end in _state_segments(job, events, end):
+        drawn_states.add(JobState.QUEUED if state is JobState.QUEUED else JobState.RUNNING)
         x0, x1 = x_of(seg_start), x_of(seg_end)
         held = format_duration((seg_end - seg_start).total_seconds())
         shapes.append(
@@ -519,12 +529,12 @@ def layout_timeline(
         mine = [lease for lease in leases if lease.machine_id == machine]
         label = machine if len(machine) <= 22 else machine[:21] + "…"
         shapes.append(Text(x=_LEFT - 12, y=bar_y + 11, text=label, size=13, anchor="end"))
-        billed = sum(lease.billed_seconds(end) for lease in mine)
+        held_s = sum(lease.held_seconds(end) for lease in mine)
         shapes.append(
             Text(
                 x=_LEFT - 12,
                 y=bar_y + 27,
-                text=f"{len(mine)} lease{'s' * (len(mine) != 1)} · {format_duration(billed)}",
+                text=f"{len(mine)} lease{'s' * (len(mine) != 1)} · {format_duration(held_s)}",
                 size=10,
                 fill=_MUTED,
                 anchor="end",
@@ -552,7 +562,7 @@ def layout_timeline(
             anchor="end",
         )
     )
-    legend, legend_h = _legend(leases, axis_y + 50)
+    legend, legend_h = _legend(leases, axis_y + 50, drawn_states)
     shapes.extend(legend)
     return Drawing(
         width=_WIDTH,
@@ -566,7 +576,7 @@ def _lease_shapes(lease: LeaseSpan, bar_y: float, x_of: _XOf, end: datetime) -> 
     color = OUTCOME_COLORS[lease.outcome]
     ended = lease.ended_at or end
     x0, x1 = x_of(lease.granted_at), x_of(ended)
-    billed_x = x_of(min(lease.billed_until(end), ended))
+    silent_x = x_of(min(lease.silent_since or ended, ended))
     steps = f"steps {lease.start_step}→{lease.end_step if lease.end_step is not None else '?'}"
     held = format_duration((ended - lease.granted_at).total_seconds())
     how = lease.outcome.value + (f" ({lease.detail})" if lease.detail else "")
@@ -574,24 +584,24 @@ def _lease_shapes(lease: LeaseSpan, bar_y: float, x_of: _XOf, end: datetime) -> 
         Rect(
             x=x0,
             y=bar_y,
-            w=max(billed_x - x0, 1.5),
+            w=max(silent_x - x0, 1.5),
             h=_BAR_H,
             fill=color,
             role=f"lease {lease.outcome.value}",
             title=f"epoch {lease.epoch} on {lease.machine_id}: held {held}, {how}, {steps}",
         )
     ]
-    if x1 - billed_x > 0.5:
-        # An expired lease's silent tail: held, but not billed and no work done.
+    if x1 - silent_x > 0.5:
+        # An expired lease's silent tail: held, but nothing heard and no work done.
         shapes.append(
             Rect(
-                x=billed_x,
+                x=silent_x,
                 y=bar_y,
-                w=x1 - billed_x,
+                w=x1 - silent_x,
                 h=_BAR_H,
                 fill=_blend(color, 0.35),
                 role="silent",
-                title="no heartbeat until the lease expired (not billed)",
+                title="no heartbeat until the lease expired",
             )
         )
     if lease.epoch is not None and x1 - x0 > 30:
@@ -624,6 +634,17 @@ def _lease_shapes(lease: LeaseSpan, bar_y: float, x_of: _XOf, end: datetime) -> 
                 stroke=_INK,
                 role="resumed",
                 title="the worker reconnected and kept its lease",
+            )
+        )
+    for at, message in lease.notices:
+        x = x_of(at)
+        shapes.append(
+            Polygon(
+                points=_warning(x, bar_y - 1),
+                fill=_NOTICE,
+                stroke=_INK,
+                role="notice",
+                title=f"notice: {message}",
             )
         )
     label_right = float("-inf")  # skip step labels that would overlap the previous one
@@ -726,20 +747,45 @@ def _step_panel(job: Job, leases: Sequence[LeaseSpan], top: float, x_of: _XOf) -
     return shapes
 
 
-def _legend(leases: Sequence[LeaseSpan], top: float) -> tuple[list[Shape], float]:
-    """Swatches for the outcomes this job has, then the marks; wraps onto a second row."""
+def _warning(x: float, base_y: float) -> tuple[tuple[float, float], ...]:
+    """A small warning triangle standing on `base_y`."""
+    return ((x - 5, base_y), (x + 5, base_y), (x, base_y - 9))
+
+
+def _legend(
+    leases: Sequence[LeaseSpan], top: float, states: set[JobState] | None = None
+) -> tuple[list[Shape], float]:
+    """A swatch for each thing the picture draws (and nothing it does not), drawn as the
+    picture draws it; wraps onto further rows."""
     items: list[tuple[str, str]] = [
-        (f"lease {o.value}", o.value)
+        (f"lease {o.value}", f"lease {o.value}")
         for o in LeaseOutcome
         if any(lease.outcome is o for lease in leases)
     ]
-    items += [("checkpoint", "checkpoint"), ("checkpoint deleted", "deleted checkpoint")]
-    items += [("interruption", "interruption"), ("heartbeat", "heartbeat")]
+    marks = [mark for lease in leases for mark in lease.checkpoints]
+    if any(not mark.deleted for mark in marks):
+        items.append(("checkpoint", "checkpoint"))
+    if any(mark.deleted for mark in marks):
+        items.append(("checkpoint deleted", "deleted checkpoint"))
+    if any(lease.outcome.interruption for lease in leases):
+        items.append(("interruption", "interruption"))
+    with_beats = [lease for lease in leases if lease.heartbeats]
+    if with_beats:
+        # Ticks at the foot of a lease bar in that lease's own colour, as drawn.
+        items.append((f"heartbeat {with_beats[0].outcome.value}", "heartbeats"))
     if any(lease.resumed_at for lease in leases):
         items.append(("resumed", "reconnected"))
-    if any(lease.outcome is LeaseOutcome.EXPIRED for lease in leases):
-        items.append(("silent", "silent (not billed)"))
-    items.append(("queued", "queued"))
+    if any(lease.notices for lease in leases):
+        items.append(("notice", "notice (e.g. a checkpoint not stored)"))
+    if any(
+        lease.outcome is LeaseOutcome.EXPIRED
+        and (lease.silent_since or lease.ended_at) != lease.ended_at
+        for lease in leases
+    ):
+        items.append(("silent", "silent (no heartbeat)"))
+    for state in (JobState.QUEUED, JobState.RUNNING):
+        if states is None or state in states:
+            items.append((f"job {state.value.lower()}", f"job {state.value.lower()}"))
 
     shapes: list[Shape] = []
     x, y = float(_LEFT), top
@@ -767,14 +813,19 @@ def _swatch(key: str, x: float, cy: float) -> list[Shape]:
             Line(x1=x - 5, y1=cy - 5, x2=x + 5, y2=cy + 5, stroke=_INTERRUPTION, width=2.5),
             Line(x1=x - 5, y1=cy + 5, x2=x + 5, y2=cy - 5, stroke=_INTERRUPTION, width=2.5),
         ]
-    if key == "heartbeat":
+    if key.startswith("heartbeat "):
+        color = OUTCOME_COLORS[LeaseOutcome(key.removeprefix("heartbeat "))]
+        # The bar's foot at the bar's proportions: ticks 6 px of a 20 px bar.
+        tick = 12 * 6 / _BAR_H
         return [
-            Rect(x=x - 8, y=cy - 6, w=16, h=12, fill=OUTCOME_COLORS[LeaseOutcome.RUNNING]),
-            Line(x1=x - 3, y1=cy, x2=x - 3, y2=cy + 6, stroke="#ffffff"),
-            Line(x1=x + 3, y1=cy, x2=x + 3, y2=cy + 6, stroke="#ffffff"),
+            Rect(x=x - 8, y=cy - 6, w=16, h=12, fill=color),
+            Line(x1=x - 3, y1=cy + 6 - tick, x2=x - 3, y2=cy + 6, stroke="#ffffff"),
+            Line(x1=x + 3, y1=cy + 6 - tick, x2=x + 3, y2=cy + 6, stroke="#ffffff"),
         ]
     if key == "resumed":
         return [Circle(cx=x, cy=cy, r=4, fill="#ffffff", stroke=_INK)]
+    if key == "notice":
+        return [Polygon(points=_warning(x, cy + 5), fill=_NOTICE, stroke=_INK)]
     if key == "silent":
         return [
             Rect(
@@ -785,7 +836,9 @@ def _swatch(key: str, x: float, cy: float) -> list[Shape]:
                 fill=_blend(OUTCOME_COLORS[LeaseOutcome.EXPIRED], 0.35),
             )
         ]
-    return [Rect(x=x - 8, y=cy - 4, w=16, h=8, fill=_QUEUED)]
+    # The job's state strip, 12 px high as drawn.
+    fill = _QUEUED if key == "job queued" else _RUNNING_STRIP
+    return [Rect(x=x - 8, y=cy - 6, w=16, h=12, fill=fill)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -894,10 +947,45 @@ def render_timeline_svg(
     return drawing_to_svg(layout_timeline(job, events, now=now))
 
 
+def _samples_html(samples: Sequence[tuple[SampleImageInfo, bytes]]) -> str:
+    """The validation images at their steps (issue 13): a row per prompt and image, a column
+    per step, each picture inline (a data: URI)."""
+    if not samples:
+        return ""
+    steps = sorted({info.step for info, _ in samples})
+    rows = sorted({(info.prompt_index, info.image_index) for info, _ in samples})
+    prompts = {info.prompt_index: info.prompt for info, _ in samples}
+    cells = {(i.step, i.prompt_index, i.image_index): data for i, data in samples}
+    head = "".join(f"<th>step {step}</th>" for step in steps)
+    body = []
+    for prompt_index, image_index in rows:
+        label = f"{prompts.get(prompt_index, '')} (image {image_index})"
+        tds = []
+        for step in steps:
+            data = cells.get((step, prompt_index, image_index))
+            if data is None:
+                tds.append("<td></td>")
+                continue
+            uri = "data:image/png;base64," + base64.b64encode(data).decode()
+            tds.append(f'<td><img class="sample" src="{uri}" alt="step {step}"></td>')
+        body.append(f"<tr><th>{html.escape(label)}</th>{''.join(tds)}</tr>")
+    return (
+        '<h2>Validation images</h2>\n<table class="samples">\n'
+        f"<thead><tr><th>prompt</th>{head}</tr></thead>\n<tbody>\n"
+        + "\n".join(body)
+        + "\n</tbody>\n</table>"
+    )
+
+
 def render_timeline_html(
-    job: Job, events: Sequence[JobEvent], *, now: datetime | None = None
+    job: Job,
+    events: Sequence[JobEvent],
+    *,
+    now: datetime | None = None,
+    samples: Sequence[tuple[SampleImageInfo, bytes]] = (),
 ) -> str:
-    """A self-contained page: the SVG inline and a table of the leases; no scripts, no links."""
+    """A self-contained page: the SVG inline, a table of the leases and the validation images
+    at their steps; no scripts, no links."""
     drawing = layout_timeline(job, events, now=now)
     end = _end_of_axis(job, events, now)
     rows = []
@@ -912,8 +1000,7 @@ def render_timeline_html(
             lease.machine_id,
             rel(lease.granted_at),
             rel(ended) if lease.ended_at else "",
-            format_duration((ended - lease.granted_at).total_seconds()),
-            _gpu_seconds(lease.billed_seconds(end)),
+            format_duration(lease.held_seconds(end)),
             lease.outcome.value,
             f"{lease.start_step} → {lease.end_step if lease.end_step is not None else '?'}",
             ", ".join(str(c.step) for c in lease.checkpoints),
@@ -926,7 +1013,6 @@ def render_timeline_html(
         "granted",
         "ended",
         "held",
-        "GPU-s",
         "outcome",
         "steps",
         "checkpoints",
@@ -943,6 +1029,8 @@ table {{ border-collapse: collapse; margin-top: 16px; font-size: 13px; }}
 th, td {{ border-bottom: 1px solid #ddd; padding: 4px 10px; text-align: left; }}
 th {{ color: #555; font-weight: 600; }}
 svg {{ max-width: 100%; height: auto; }}
+img.sample {{ width: 128px; height: 128px; image-rendering: pixelated; }}
+h2 {{ font-size: 16px; margin-top: 24px; }}
 </style>
 </head>
 <body>
@@ -953,6 +1041,7 @@ svg {{ max-width: 100%; height: auto; }}
 {chr(10).join(rows)}
 </tbody>
 </table>
+{_samples_html(samples)}
 </body>
 </html>
 """
@@ -1051,7 +1140,12 @@ _FORMATS = {".html": "html", ".htm": "html", ".svg": "svg", ".png": "png"}
 
 
 def write_timeline(
-    job: Job, events: Sequence[JobEvent], path: str | Path, *, now: datetime | None = None
+    job: Job,
+    events: Sequence[JobEvent],
+    path: str | Path,
+    *,
+    now: datetime | None = None,
+    samples: Sequence[tuple[SampleImageInfo, bytes]] = (),
 ) -> Path:
     """Writes the timeline in the format the suffix names: .html (or .htm), .svg or .png."""
     target = Path(path)
@@ -1065,7 +1159,9 @@ def write_timeline(
     elif kind == "svg":
         target.write_text(render_timeline_svg(job, events, now=now), encoding="utf-8")
     else:
-        target.write_text(render_timeline_html(job, events, now=now), encoding="utf-8")
+        target.write_text(
+            render_timeline_html(job, events, now=now, samples=samples), encoding="utf-8"
+        )
     return target
 
 
@@ -1078,4 +1174,11 @@ async def timeline_command(client: AsyncClient, job_id: str, path: str | Path) -
     # Events first: a job read afterwards is at least as new, so its state covers every event.
     events = await client.events(job_id)
     job = await client.get(job_id)
-    return await asyncio.to_thread(write_timeline, job, events, path, now=datetime.now(UTC))
+    samples: list[tuple[SampleImageInfo, bytes]] = []
+    if _FORMATS.get(Path(path).suffix.lower()) == "html" and any(
+        e.kind is EventKind.SAMPLES for e in events
+    ):
+        samples = await client.download_samples(job_id)
+    return await asyncio.to_thread(
+        write_timeline, job, events, path, now=datetime.now(UTC), samples=samples
+    )

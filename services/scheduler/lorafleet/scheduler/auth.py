@@ -10,11 +10,10 @@ import hashlib
 import hmac
 import re
 import secrets
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lorafleet.errors import InvalidArgument, Unauthenticated
+from lorafleet.core.errors import InvalidArgument, Unauthenticated
 from lorafleet.scheduler.ledger import Ledger
 
 _KEY = re.compile(r"lf_([a-z0-9]{12})_([A-Za-z0-9_-]{43})")
@@ -43,6 +42,7 @@ async def create_api_key(
     *,
     webhook_url: str | None = None,
     webhook_events: Sequence[str] = (),
+    spend_limit_dollars: float | None = None,
 ) -> NewApiKey:
     """The key and its webhook secret: shown once, neither recoverable from the ledger."""
     if not OWNER_PATTERN.fullmatch(owner):
@@ -50,8 +50,10 @@ async def create_api_key(
     if webhook_url and not re.fullmatch(r"https?://[^\s/?#]+[^\s]*", webhook_url):
         raise InvalidArgument("webhook_url", "must be an http:// or https:// URL")
     for event in webhook_events:
-        if event not in ("checkpoint", "succeeded", "failed", "canceled"):
+        if event not in ("checkpoint", "succeeded", "failed", "canceled", "samples"):
             raise InvalidArgument("webhook_events", f"unknown event {event!r}")
+    if spend_limit_dollars is not None and not 0 <= spend_limit_dollars < 1e12:
+        raise InvalidArgument("spend_limit_dollars", "must be 0 or more")
     key_id = secrets.token_hex(6)
     secret = secrets.token_urlsafe(32)
     webhook_secret = await ledger.insert_api_key(
@@ -60,6 +62,7 @@ async def create_api_key(
         _digest(secret),
         webhook_url=webhook_url or None,
         webhook_events=webhook_events,
+        spend_limit_dollars=spend_limit_dollars,
     )
     return NewApiKey(key=f"lf_{key_id}_{secret}", webhook_secret=webhook_secret)
 
@@ -68,34 +71,37 @@ def bearer(metadata: Sequence[tuple[str, str | bytes]]) -> str:
     for key, value in metadata:
         if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
             return value.removeprefix("Bearer ").strip()
+        if key == "authorization" and isinstance(value, str) and value.strip() == "Bearer":
+            return ""  # "Bearer " with nothing after it (gRPC strips the trailing space)
     raise Unauthenticated("authorization: expected 'Bearer <api key>' metadata")
 
 
 class ApiKeyAuthenticator:
-    """Maps a presented key to its owner; remembers good keys briefly (revocation lag: cache_s)."""
+    """Maps a presented key to its owner, asking the ledger every time.
 
-    def __init__(self, ledger: Ledger, *, cache_s: float = 30.0) -> None:
+    No cache: a revoked key is refused by the very next call on every replica. A cache evicted by
+    a NOTIFY would still leave a window (the notification reaches other replicas after the
+    revoking commit, not with it), and the lookup is one primary-key read on the pool.
+    """
+
+    def __init__(self, ledger: Ledger) -> None:
         self._ledger = ledger
-        self._cache_s = cache_s
-        self._cache: dict[str, tuple[Principal, float]] = {}
 
     async def principal(self, metadata: Sequence[tuple[str, str | bytes]]) -> Principal:
-        key = bearer(metadata)
-        cached = self._cache.get(key)
-        now = time.monotonic()
-        if cached is not None and cached[1] > now:
-            return cached[0]
-        match = _KEY.fullmatch(key)
+        presented = bearer(metadata)
+        if not presented:
+            raise Unauthenticated(
+                "authorization: no API key given (set LORAFLEET_API_KEY or pass --api-key;"
+                " `lorafleet keys create NAME` makes one, `lorafleet up` writes"
+                " .lorafleet/api-key)"
+            )
+        match = _KEY.fullmatch(presented)
         if match is None:
             raise Unauthenticated("authorization: malformed API key")
         record = await self._ledger.get_api_key(match.group(1))
         if record is None or not hmac.compare_digest(record.secret_sha256, _digest(match.group(2))):
             raise Unauthenticated("authorization: unknown or revoked API key")
-        if len(self._cache) > 10_000:
-            self._cache.clear()
-        principal = Principal(owner=record.owner, key_id=record.key_id)
-        self._cache[key] = (principal, now + self._cache_s)
-        return principal
+        return Principal(owner=record.owner, key_id=record.key_id)
 
 
 def check_worker_token(metadata: Sequence[tuple[str, str | bytes]], expected: str) -> None:

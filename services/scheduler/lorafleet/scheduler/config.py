@@ -1,13 +1,21 @@
-"""Scheduler configuration: one frozen value built once from flags and the environment."""
+"""Scheduler configuration: every option declared once (type, default, variable, help).
+
+`lorafleet scheduler --help` lists them as flags; each also reads `LORAFLEET_<NAME>` (or the
+variables its `validation_alias` names). Bad values stop the scheduler at start with a message
+naming the flag and the variable (`lorafleet.core.settings`).
+"""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+from pydantic import AfterValidator, AliasChoices, Field, model_validator
+
+from lorafleet.core.settings import ServiceSettings
 from lorafleet.scheduler.storage import S3Config
+from lorafleet.scheduler.webhooks import canonical_networks
 
 DEFAULT_DATA_DIR = Path(".lorafleet")
 
@@ -16,73 +24,146 @@ DEFAULT_DATA_DIR = Path(".lorafleet")
 class LocalStorage:
     """The embedded default: objects under data_dir/objects, served over HTTP by the scheduler."""
 
-    host: str = "127.0.0.1"
-    port: int = 0
-    # What workers use to reach it (e.g. http://scheduler.lan:8081); default http://host:port.
-    public_base_url: str | None = None
+    host: str
+    port: int
+    # What workers use to reach it (e.g. http://scheduler.lan:8081); None: http://host:port.
+    public_base_url: str | None
 
 
-@dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    listen: str = "127.0.0.1:50051"
-    # Empty: an embedded Postgres in data_dir/postgres.
-    database_url: str = ""
-    data_dir: Path = DEFAULT_DATA_DIR
-    # Workers present it as `authorization: Bearer <token>`; empty: one is generated and kept in
-    # data_dir/worker-token.
-    worker_token: str = ""
-    lease_ttl_s: float = 60.0
-    heartbeat_interval_s: float = 10.0
-    # How often each replica looks for expired leases and leftover checkpoints.
-    sweep_interval_s: float = 5.0
-    # A safety net under LISTEN/NOTIFY: idle workers are also offered work this often.
-    dispatch_interval_s: float = 5.0
-    checkpoint_retention: int = 3
-    url_ttl_s: int = 3600
-    storage: S3Config | LocalStorage = field(default_factory=LocalStorage)
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    scheduler_id: str = ""
-    # Seconds a worker has to send Hello after connecting.
-    hello_timeout_s: float = 10.0
-    # Webhook retries: backoff doubles from webhook_backoff_s (capped at 10 min), with jitter.
-    webhook_max_attempts: int = 8
-    webhook_backoff_s: float = 2.0
-    webhook_timeout_s: float = 10.0
+class SchedulerConfig(ServiceSettings):
+    listen: str = Field("127.0.0.1:50051", description="host:port to serve gRPC on")
+    database_url: str = Field(
+        "",
+        validation_alias=AliasChoices("DATABASE_URL", "LORAFLEET_DATABASE_URL"),
+        description="Postgres URL; empty: an embedded Postgres in the data directory",
+    )
+    data_dir: Path = Field(
+        DEFAULT_DATA_DIR, description="embedded Postgres, local objects and generated secrets"
+    )
+    worker_token: str = Field(
+        "",
+        description="the token workers present (prefer the variable); empty: one is generated"
+        " and kept in <data dir>/worker-token",
+    )
+    scheduler_id: str = Field("", description="this replica's name; default hostname-random")
+    lease_ttl_s: float = Field(
+        60.0, gt=0, le=3600, description="seconds without a heartbeat before a job is re-queued"
+    )
+    heartbeat_interval_s: float = Field(
+        10.0, gt=0, le=600, description="how often workers are told to heartbeat"
+    )
+    sweep_interval_s: float = Field(
+        5.0, gt=0, le=600, description="how often each replica expires leases and prunes"
+    )
+    dispatch_interval_s: float = Field(
+        5.0, gt=0, le=600, description="safety net under LISTEN/NOTIFY: re-offer work this often"
+    )
+    hello_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="seconds a worker has to send Hello after connecting"
+    )
+    worker_outbox_limit: int = Field(
+        64, ge=4, le=10_000, description="replies a worker may leave unread before it is dropped"
+    )
+    worker_messages_per_s: float = Field(
+        20.0, gt=0, le=10_000, description="messages per second one worker stream may send"
+    )
+    worker_message_burst: int = Field(
+        100, ge=1, le=100_000, description="messages one worker stream may send at once"
+    )
+    checkpoint_retention: int = Field(
+        3, ge=1, le=1000, description="checkpoints kept per running job (newest first)"
+    )
+    url_ttl_s: int = Field(
+        3600,
+        ge=1,
+        le=7 * 86400,
+        description="lifetime of presigned URLs users get and leases read with",
+    )
+    lease_put_ttl_s: int = Field(
+        300,
+        ge=1,
+        le=86400,
+        description="lifetime of a lease's upload URLs (renewed on heartbeats while it lives)",
+    )
+    # Object storage: S3 when a bucket is named, else the embedded local store.
+    s3_bucket: str = Field("", description="S3 bucket; empty: the embedded local store")
+    s3_endpoint_url: str = Field("", description="S3-compatible endpoint (MinIO, R2); empty: AWS")
+    s3_region: str = Field("us-east-1", description="S3 region")
+    s3_create_bucket: bool = Field(False, description="create the bucket when it is missing")
+    storage_host: str = Field("127.0.0.1", description="where the local store serves HTTP")
+    storage_port: int = Field(0, ge=0, le=65535, description="local store port; 0: any free")
+    storage_public_url: str = Field(
+        "",
+        description="base URL workers use to reach the local store (default http://host:port)",
+    )
+    tls_cert_file: Path | None = Field(
+        None,
+        validation_alias=AliasChoices("LORAFLEET_TLS_CERT", "LORAFLEET_TLS_CERT_FILE"),
+        description="PEM certificate: serve gRPC over TLS (with --tls-key-file)",
+    )
+    tls_key_file: Path | None = Field(
+        None,
+        validation_alias=AliasChoices("LORAFLEET_TLS_KEY", "LORAFLEET_TLS_KEY_FILE"),
+        description="PEM private key for --tls-cert-file",
+    )
+    price_per_gpu_hour: float = Field(
+        0.0,
+        ge=0,
+        le=10_000,
+        description="dollars per GPU-hour, for EstimateJob and API keys' spend limits;"
+        " 0: no prices (estimates give seconds only, spend limits never bite)",
+    )
+    estimate_window_s: float = Field(
+        7 * 86400.0,
+        gt=0,
+        le=365 * 86400.0,
+        description="how far back EstimateJob looks for leases of the same job shape",
+    )
+    webhook_max_attempts: int = Field(8, ge=1, le=100, description="webhook delivery attempts")
+    webhook_backoff_s: float = Field(
+        2.0, gt=0, le=3600, description="first webhook retry delay (doubles, with jitter)"
+    )
+    webhook_timeout_s: float = Field(10.0, gt=0, le=300, description="webhook request timeout")
+    webhook_allowed_networks: Annotated[str, AfterValidator(canonical_networks)] = Field(
+        "",
+        description="comma-separated CIDRs webhooks may reach besides public addresses"
+        " (e.g. 127.0.0.0/8 when receivers run beside the scheduler); empty: public only",
+    )
 
-    @classmethod
-    def from_env(
-        cls, env: Mapping[str, str] | None = None, /, **overrides: object
-    ) -> SchedulerConfig:
-        """`LORAFLEET_*` and `DATABASE_URL` (README, "Configuration"); keyword overrides win."""
-        e = os.environ if env is None else env
-        storage: S3Config | LocalStorage
-        if e.get("LORAFLEET_S3_BUCKET"):
-            storage = S3Config(
-                bucket=e["LORAFLEET_S3_BUCKET"],
-                endpoint_url=e.get("LORAFLEET_S3_ENDPOINT_URL") or None,
-                region=e.get("LORAFLEET_S3_REGION", "us-east-1"),
-                addressing_style="path" if e.get("LORAFLEET_S3_ENDPOINT_URL") else "auto",
-                create_bucket=e.get("LORAFLEET_S3_CREATE_BUCKET", "") in ("1", "true", "yes"),
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        # Its own name per service: one environment (a host running a scheduler and a worker,
+        # `lorafleet up`'s children) must not make two processes claim one port.
+        validation_alias=AliasChoices("LORAFLEET_SCHEDULER_METRICS_PORT"),
+        description="serve Prometheus metrics on this port (/metrics, all interfaces; 0: any"
+        " free port); unset: no metrics endpoint",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SchedulerConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.heartbeat_interval_s * 3 > min(self.lease_put_ttl_s, self.url_ttl_s):
+            # Upload URLs are renewed on a heartbeat once a third of their life is left.
+            raise ValueError(
+                "heartbeat_interval_s must be at most a third of lease_put_ttl_s and url_ttl_s"
             )
-        else:
-            storage = LocalStorage(
-                host=e.get("LORAFLEET_STORAGE_HOST", "127.0.0.1"),
-                port=int(e.get("LORAFLEET_STORAGE_PORT", "0")),
-                public_base_url=e.get("LORAFLEET_STORAGE_PUBLIC_URL") or None,
+        return self
+
+    @property
+    def storage(self) -> S3Config | LocalStorage:
+        if self.s3_bucket:
+            return S3Config(
+                bucket=self.s3_bucket,
+                endpoint_url=self.s3_endpoint_url or None,
+                region=self.s3_region,
+                addressing_style="path" if self.s3_endpoint_url else "auto",
+                create_bucket=self.s3_create_bucket,
             )
-        values: dict[str, object] = dict(
-            listen=e.get("LORAFLEET_LISTEN", "127.0.0.1:50051"),
-            database_url=e.get("DATABASE_URL", ""),
-            data_dir=Path(e.get("LORAFLEET_DATA_DIR", str(DEFAULT_DATA_DIR))),
-            worker_token=e.get("LORAFLEET_WORKER_TOKEN", ""),
-            lease_ttl_s=float(e.get("LORAFLEET_LEASE_TTL_S", "60")),
-            heartbeat_interval_s=float(e.get("LORAFLEET_HEARTBEAT_INTERVAL_S", "10")),
-            checkpoint_retention=int(e.get("LORAFLEET_CHECKPOINT_RETENTION", "3")),
-            url_ttl_s=int(e.get("LORAFLEET_URL_TTL_S", "3600")),
-            storage=storage,
-            tls_cert_file=Path(e["LORAFLEET_TLS_CERT"]) if e.get("LORAFLEET_TLS_CERT") else None,
-            tls_key_file=Path(e["LORAFLEET_TLS_KEY"]) if e.get("LORAFLEET_TLS_KEY") else None,
+        return LocalStorage(
+            host=self.storage_host,
+            port=self.storage_port,
+            public_base_url=self.storage_public_url or None,
         )
-        values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]

@@ -1,7 +1,15 @@
 """The job ledger: one async method per named query in sql/queries.sql.
 
 The ledger is the truth; the worker streams only deliver. Driver errors are translated here into
-lorafleet's error tree, and rows into domain values, so nothing above this module sees asyncpg.
+lorafleet's error tree, and rows into domain values, so nothing above this module sees asyncpg:
+
+* `LedgerUnavailable` (retryable): the database could not serve the statement now and the same
+  call may succeed later: no connection, a connection lost or terminated, the server starting,
+  shutting down or out of connections, a serialization failure or deadlock, a canceled or timed
+  out statement, a read-only standby after a failover.
+* `LedgerError` (not retryable): anything else the database refuses, which a retry repeats: a
+  bug in a query or in its caller (bad SQL, a violated constraint, a malformed argument) or a
+  misconfiguration (bad credentials, a missing database).
 """
 
 from __future__ import annotations
@@ -10,7 +18,7 @@ import importlib.resources
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -18,8 +26,8 @@ from typing import Any
 
 import asyncpg
 
-from lorafleet.errors import LedgerUnavailable
-from lorafleet.model import (
+from lorafleet.core.errors import LedgerUnavailable, LorafleetError
+from lorafleet.core.model import (
     Checkpoint,
     EventKind,
     FailureClass,
@@ -29,8 +37,12 @@ from lorafleet.model import (
     JobState,
     Machine,
     Progress,
+    Qualification,
+    SampleSettings,
+    SampleTask,
+    StoredImage,
 )
-from lorafleet.spec import JobSpec
+from lorafleet.core.spec import JobSpec
 
 
 def load_queries() -> dict[str, str]:
@@ -40,6 +52,59 @@ def load_queries() -> dict[str, str]:
 
 
 QUERIES = load_queries()
+
+
+class LedgerError(LorafleetError):
+    """The database refused a statement and retrying it cannot help (see the module docstring).
+
+    `sqlstate` is the Postgres error code when the server sent one (e.g. `23505`, `42703`).
+    """
+
+    retryable = False
+
+    def __init__(self, message: str, *, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+# Whole SQLSTATE classes after which the same statement may succeed later: 08 connection
+# exception, 40 transaction rollback (serialization failure, deadlock), 53 insufficient
+# resources (too many connections, disk full, out of memory), 57 operator intervention (query
+# canceled or timed out, admin or crash shutdown, cannot connect now, idle session timeout),
+# 58 system error (I/O).
+_RETRYABLE_CLASSES = frozenset({"08", "40", "53", "57", "58"})
+_RETRYABLE_STATES = frozenset(
+    {
+        "25006",  # read_only_sql_transaction: a failover left us on a standby
+        "25P03",  # idle_in_transaction_session_timeout: the server closed the session
+        "55P03",  # lock_not_available: lock_timeout elapsed
+        "0A000",  # asyncpg's InvalidCachedStatementError: the schema changed under a statement
+    }
+)
+# In a retryable class, but a retry repeats them.
+_BUG_STATES = frozenset({"40002"})  # transaction_integrity_constraint_violation (at commit)
+
+
+def translate_error(exc: BaseException) -> LorafleetError | None:
+    """The lorafleet error for a driver or network error; None for anything else."""
+    if isinstance(exc, asyncpg.PostgresError):
+        state: str | None = getattr(exc, "sqlstate", None)
+        message = f"{type(exc).__name__}: {exc}"
+        if state in _RETRYABLE_STATES or (
+            state is not None and state[:2] in _RETRYABLE_CLASSES and state not in _BUG_STATES
+        ):
+            return LedgerUnavailable(f"ledger unavailable: {message}")
+        return LedgerError(f"ledger statement failed: {message}", sqlstate=state)
+    if isinstance(exc, asyncpg.exceptions.ClientConfigurationError):
+        return LedgerError(f"ledger client misconfigured: {exc}")
+    if isinstance(exc, (OSError, TimeoutError, asyncpg.InterfaceError)):
+        # Refused or dropped connections, a closed pool or connection, a connect timeout.
+        return LedgerUnavailable(f"ledger unavailable: {type(exc).__name__}: {exc}")
+    if isinstance(exc, asyncpg.exceptions.OutdatedSchemaCacheError):
+        return LedgerUnavailable(f"ledger unavailable: {type(exc).__name__}: {exc}")
+    if isinstance(exc, asyncpg.exceptions.InternalClientError):
+        return LedgerError(f"ledger client failed: {type(exc).__name__}: {exc}")
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +130,148 @@ class ApiKeyRecord:
     secret_sha256: bytes
 
 
+@dataclass(frozen=True, kw_only=True)
+class KeySpending:
+    """A key's spend limit (None: none) and the GPU-seconds billed to its jobs so far."""
+
+    spend_limit_dollars: float | None
+    gpu_seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShapeWork:
+    """Steps still to run of a key's unfinished jobs of one shape."""
+
+    resolution: int
+    batch_size: int
+    gradient_accumulation_steps: int
+    train_text_encoder: bool
+    steps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShapePace:
+    """The fleet's median seconds per step on jobs of one shape, over `samples` leases."""
+
+    samples: int
+    seconds_per_step: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApiKeyInfo:
+    """An API key as an operator lists it (never its secret)."""
+
+    key_id: str
+    owner: str
+    created_at: datetime
+    revoked_at: datetime | None
+    webhook_url: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseRecord:
+    """One lease ever granted (the audit trail that billing sums over)."""
+
+    lease_id: str
+    job_id: str
+    epoch: int
+    machine_id: str
+    granted_at: datetime
+    last_heartbeat_at: datetime
+    ended_at: datetime | None
+    end_reason: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WebhookDeliveryRecord:
+    """One outbox row as its owner sees it: where it went, how often, how it ended."""
+
+    delivery_id: int
+    event: str
+    url: str
+    attempts: int
+    last_status: int | None
+    last_error: str | None
+    delivered_at: datetime | None
+    gave_up_at: datetime | None
+    created_at: datetime
+    next_attempt_at: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeRecord:
+    """One machine of the node registry, with what its leases say about it."""
+
+    machine_id: str
+    provider_instance_id: str
+    gpu_model: str
+    vram_mb: int
+    # None until the worker's Hello (with its qualification probe) is recorded.
+    qualified: bool | None
+    qualification_detail: str | None
+    version: str
+    first_seen_at: datetime
+    last_seen_at: datetime
+    lease_job_id: str | None
+    node_faults: int
+    # When its node faults within the asked window happened (epoch seconds, newest first).
+    recent_fault_times: tuple[float, ...]
+    jobs_finished: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSampleRecord:
+    """A machine's pace on a job (its latest lease there), with the job's shape."""
+
+    machine_id: str
+    job_id: str
+    seconds_per_step: float
+    steps: int
+    resolution: int
+    batch_size: int
+    train_text_encoder: bool
+    gpu_class: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalerWork:
+    queued: int
+    running: int
+    last_finished_at: datetime | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class BannedQueuedJob:
+    job_id: str
+    banned_machines: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalerAction:
+    """A decision the scaler carried out (epoch seconds on the scaler's clock)."""
+
+    at: float
+    action: str
+    target: str
+    job_id: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalerDecisionRecord:
+    decision_id: int
+    at: datetime
+    last_at: datetime
+    repeats: int
+    scaler_id: str
+    action: str
+    target: str
+    job_id: str | None
+    reason: str
+    figures: dict[str, Any]
+    applied: bool
+    error: str | None
+
+
 async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
@@ -87,8 +294,18 @@ def job_from_row(row: asyncpg.Record) -> Job:
         )
     result = None
     if row["result_key"] is not None:
+        kohya = None
+        if row["result_kohya_key"] is not None:
+            kohya = JobResult(
+                key=row["result_kohya_key"],
+                size_bytes=row["result_kohya_bytes"],
+                sha256=row["result_kohya_sha256"],
+            )
         result = JobResult(
-            key=row["result_key"], size_bytes=row["result_bytes"], sha256=row["result_sha256"]
+            key=row["result_key"],
+            size_bytes=row["result_bytes"],
+            sha256=row["result_sha256"],
+            kohya=kohya,
         )
     return Job(
         job_id=str(row["job_id"]),
@@ -162,9 +379,8 @@ def checkpoint_from_row(row: asyncpg.Record) -> Checkpoint:
 class Ledger:
     """All reads and writes of the job ledger. Create with `await Ledger.connect(url)`."""
 
-    def __init__(self, pool: asyncpg.Pool, dsn: str) -> None:
+    def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
-        self._dsn = dsn
 
     @classmethod
     async def connect(cls, dsn: str, *, min_size: int = 2, max_size: int = 20) -> Ledger:
@@ -172,21 +388,28 @@ class Ledger:
             pool = await asyncpg.create_pool(
                 dsn, min_size=min_size, max_size=max_size, init=_init_connection
             )
-        except (OSError, asyncpg.PostgresError) as exc:
-            raise LedgerUnavailable(f"cannot reach the ledger database: {exc}") from exc
+        except Exception as exc:
+            translated = translate_error(exc)
+            if translated is None:
+                raise
+            raise translated from exc
         assert pool is not None
-        return cls(pool, dsn)
+        return cls(pool)
 
     async def close(self) -> None:
         await self._pool.close()
 
     @asynccontextmanager
     async def _conn(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy[asyncpg.Record]]:
+        """A pooled connection; every driver error raised while it is held is translated."""
         try:
             async with self._pool.acquire() as conn:
                 yield conn
-        except (OSError, asyncpg.exceptions.ConnectionDoesNotExistError) as exc:
-            raise LedgerUnavailable(f"ledger connection failed: {exc}") from exc
+        except Exception as exc:
+            translated = translate_error(exc)
+            if translated is None:
+                raise
+            raise translated from exc
 
     async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         async with self._conn() as conn:
@@ -198,12 +421,6 @@ class Ledger:
             row: asyncpg.Record | None = await conn.fetchrow(QUERIES[query], *args)
             return row
 
-    async def listen(self, channel: str, callback: Callable[[str], None]) -> asyncpg.Connection:
-        """A dedicated connection delivering `channel`'s payloads; close it to stop."""
-        conn: asyncpg.Connection = await asyncpg.connect(self._dsn)
-        await conn.add_listener(channel, lambda _c, _pid, _ch, payload: callback(payload))
-        return conn
-
     # API keys ---------------------------------------------------------------------------------
 
     async def insert_api_key(
@@ -214,10 +431,17 @@ class Ledger:
         *,
         webhook_url: str | None = None,
         webhook_events: Sequence[str] = (),
+        spend_limit_dollars: float | None = None,
     ) -> str:
         """Stores the key; returns its webhook signing secret."""
         row = await self._fetchrow(
-            "insert_api_key", key_id, owner, secret_sha256, webhook_url, list(webhook_events)
+            "insert_api_key",
+            key_id,
+            owner,
+            secret_sha256,
+            webhook_url,
+            list(webhook_events),
+            spend_limit_dollars,
         )
         assert row is not None
         secret: str = row["webhook_secret"]
@@ -231,11 +455,60 @@ class Ledger:
             key_id=row["key_id"], owner=row["owner"], secret_sha256=bytes(row["secret_sha256"])
         )
 
+    async def key_spending(self, key_id: str) -> KeySpending:
+        row = await self._fetchrow("key_spending", key_id)
+        if row is None:
+            return KeySpending(spend_limit_dollars=None, gpu_seconds=0.0)
+        return KeySpending(
+            spend_limit_dollars=row["spend_limit_dollars"], gpu_seconds=row["gpu_seconds"]
+        )
+
+    async def key_unfinished_work(self, key_id: str) -> list[ShapeWork]:
+        return [
+            ShapeWork(
+                resolution=r["resolution"],
+                batch_size=r["batch_size"],
+                gradient_accumulation_steps=r["gradient_accumulation_steps"],
+                train_text_encoder=r["train_text_encoder"],
+                steps=r["steps"],
+            )
+            for r in await self._fetch("key_unfinished_work", key_id)
+        ]
+
+    async def pace_for_shape(
+        self,
+        *,
+        window_s: float,
+        resolution: int,
+        batch_size: int,
+        gradient_accumulation_steps: int,
+        train_text_encoder: bool,
+    ) -> ShapePace:
+        row = await self._fetchrow(
+            "pace_for_shape",
+            window_s,
+            resolution,
+            batch_size,
+            gradient_accumulation_steps,
+            train_text_encoder,
+        )
+        assert row is not None
+        return ShapePace(samples=row["samples"], seconds_per_step=row["seconds_per_step"])
+
     async def revoke_api_key(self, key_id: str) -> bool:
         return await self._fetchrow("revoke_api_key", key_id) is not None
 
-    async def list_api_keys(self) -> list[dict[str, Any]]:
-        return [dict(r) for r in await self._fetch("list_api_keys")]
+    async def list_api_keys(self) -> list[ApiKeyInfo]:
+        return [
+            ApiKeyInfo(
+                key_id=r["key_id"],
+                owner=r["owner"],
+                created_at=r["created_at"],
+                revoked_at=r["revoked_at"],
+                webhook_url=r["webhook_url"],
+            )
+            for r in await self._fetch("list_api_keys")
+        ]
 
     # Jobs -------------------------------------------------------------------------------------
 
@@ -303,15 +576,26 @@ class Ledger:
 
     # Leases (the worker stream) ---------------------------------------------------------------
 
-    async def claim_job(self, machine_id: str, vram_mb: int, lease_ttl_s: float) -> Job | None:
-        row = await self._fetchrow("claim_job", machine_id, vram_mb, uuid.uuid4(), lease_ttl_s)
+    async def claim_job(
+        self, machine_id: str, vram_mb: int, lease_ttl_s: float, *, secret_sha256: bytes
+    ) -> Job | None:
+        """Grants the best claimable job a new lease whose secret has this digest."""
+        row = await self._fetchrow(
+            "claim_job", machine_id, vram_mb, uuid.uuid4(), lease_ttl_s, secret_sha256
+        )
         return None if row is None else job_from_row(row)
 
     async def resume_lease(
-        self, lease_id: str, epoch: int, machine_id: str, lease_ttl_s: float
+        self,
+        lease_id: str,
+        epoch: int,
+        machine_id: str,
+        lease_ttl_s: float,
+        *,
+        secret_sha256: bytes,
     ) -> Job | None:
         row = await self._fetchrow(
-            "resume_lease", _uuid_or_nil(lease_id), epoch, machine_id, lease_ttl_s
+            "resume_lease", _uuid_or_nil(lease_id), epoch, machine_id, lease_ttl_s, secret_sha256
         )
         return None if row is None else job_from_row(row)
 
@@ -325,8 +609,10 @@ class Ledger:
         loss: float | None,
         learning_rate: float | None,
         seconds_per_step: float | None,
+        on_timeline: bool = True,
     ) -> bool:
-        """Extends the lease; False when it is no longer the job's (the sender is fenced off)."""
+        """Extends the lease; False when it is no longer the job's (the sender is fenced off).
+        `on_timeline`: also record a HEARTBEAT event (callers rate-limit those)."""
         row = await self._fetchrow(
             "heartbeat",
             _uuid_or_nil(lease_id),
@@ -336,6 +622,7 @@ class Ledger:
             loss,
             learning_rate,
             seconds_per_step,
+            on_timeline,
         )
         return row is not None
 
@@ -387,8 +674,78 @@ class Ledger:
             result.sha256,
             step,
             loss,
+            result.kohya.key if result.kohya else None,
+            result.kohya.size_bytes if result.kohya else None,
+            result.kohya.sha256 if result.kohya else None,
         )
         return None if row is None else job_from_row(row)
+
+    # Sample tasks (issue 13) -------------------------------------------------------------------
+
+    async def claim_sample_task(
+        self, machine_id: str, vram_mb: int, lease_ttl_s: float, *, secret_sha256: bytes
+    ) -> SampleTask | None:
+        row = await self._fetchrow(
+            "claim_sample_task", machine_id, vram_mb, uuid.uuid4(), lease_ttl_s, secret_sha256
+        )
+        return None if row is None else sample_task_from_row(row)
+
+    async def training_claimable(self, machine_id: str, vram_mb: int) -> bool:
+        row = await self._fetchrow("training_claimable", machine_id, vram_mb)
+        return bool(row is not None and row[0])
+
+    async def heartbeat_sample_task(self, lease_id: str, epoch: int, lease_ttl_s: float) -> bool:
+        row = await self._fetchrow(
+            "heartbeat_sample_task", _uuid_or_nil(lease_id), epoch, lease_ttl_s
+        )
+        return row is not None
+
+    async def complete_sample_task(
+        self, lease_id: str, epoch: int, images: Sequence[StoredImage]
+    ) -> SampleTask | None:
+        stored = [
+            {
+                "prompt_index": i.prompt_index,
+                "image_index": i.image_index,
+                "key": i.key,
+                "size_bytes": i.size_bytes,
+                "sha256": i.sha256,
+            }
+            for i in images
+        ]
+        row = await self._fetchrow("complete_sample_task", _uuid_or_nil(lease_id), epoch, stored)
+        return None if row is None else sample_task_from_row(row)
+
+    async def fail_sample_task(
+        self, lease_id: str, epoch: int, failure_class: FailureClass, message: str
+    ) -> SampleTask | None:
+        row = await self._fetchrow(
+            "fail_sample_task", _uuid_or_nil(lease_id), epoch, failure_class.value, message
+        )
+        return None if row is None else sample_task_from_row(row)
+
+    async def drain_sample_task(self, lease_id: str, epoch: int) -> bool:
+        row = await self._fetchrow("drain_sample_task", _uuid_or_nil(lease_id), epoch)
+        return row is not None
+
+    async def expire_sample_tasks(self) -> list[str]:
+        return [str(r["task_id"]) for r in await self._fetch("expire_sample_tasks")]
+
+    async def samples_pending(self, job_id: str) -> bool:
+        row = await self._fetchrow("samples_pending", uuid.UUID(job_id))
+        return bool(row is not None and row[0])
+
+    async def sample_tasks_of_job(self, job_id: str) -> list[SampleTask]:
+        rows = await self._fetch("sample_tasks_of_job", uuid.UUID(job_id))
+        return [sample_task_from_row(r) for r in rows]
+
+    async def request_samples(
+        self, job_id: str, owner: str, steps: Sequence[int], settings: SampleSettings
+    ) -> list[int]:
+        rows = await self._fetch(
+            "request_samples", uuid.UUID(job_id), owner, list(steps), settings.to_dict()
+        )
+        return sorted(int(r["step"]) for r in rows)
 
     # Checkpoint retention ---------------------------------------------------------------------
 
@@ -401,6 +758,18 @@ class Ledger:
         rows = await self._fetch("checkpoints_to_delete", uuid.UUID(job_id), keep)
         return [r["key"] for r in rows]
 
+    async def jobs_to_sweep(self, limit: int, url_ttl_s: float) -> list[tuple[str, set[str]]]:
+        """(job id, recorded result keys) of finished jobs whose storage is due a sweep."""
+        rows = await self._fetch("jobs_to_sweep", limit, url_ttl_s)
+        return [
+            (str(r["job_id"]), {k for k in (r["result_key"], r["result_kohya_key"]) if k})
+            for r in rows
+        ]
+
+    async def mark_storage_swept(self, job_id: str) -> None:
+        async with self._conn() as conn:
+            await conn.execute(QUERIES["mark_storage_swept"], uuid.UUID(job_id))
+
     async def finished_jobs_with_checkpoints(self, limit: int) -> list[str]:
         return [
             str(r["job_id"]) for r in await self._fetch("finished_jobs_with_checkpoints", limit)
@@ -412,7 +781,7 @@ class Ledger:
 
     # Machines and events ----------------------------------------------------------------------
 
-    async def upsert_machine(self, machine: Machine, qualification: Mapping[str, Any]) -> None:
+    async def upsert_machine(self, machine: Machine, qualification: Qualification) -> None:
         async with self._conn() as conn:
             await conn.execute(
                 QUERIES["upsert_machine"],
@@ -421,13 +790,51 @@ class Ledger:
                 machine.gpu_model,
                 machine.vram_mb,
                 machine.qualified,
-                dict(qualification),
+                qualification.to_json(),
                 machine.version,
             )
 
-    async def touch_machine(self, machine_id: str) -> None:
+    async def touch_machine(self, machine_id: str, session_sha256: bytes | None) -> None:
         async with self._conn() as conn:
-            await conn.execute(QUERIES["touch_machine"], machine_id)
+            await conn.execute(QUERIES["touch_machine"], machine_id, session_sha256)
+
+    async def claim_machine_session(
+        self,
+        machine_id: str,
+        *,
+        presented_sha256: bytes | None,
+        new_sha256: bytes,
+        silent_s: float,
+    ) -> bool:
+        """True if this stream now holds the machine id (see the query for the rule)."""
+        row = await self._fetchrow(
+            "claim_machine_session", machine_id, presented_sha256, new_sha256, silent_s
+        )
+        return row is not None
+
+    async def release_machine_session(self, machine_id: str, session_sha256: bytes) -> None:
+        """The stream holding `session_sha256` left after draining: the id is free at once."""
+        await self._fetch("release_machine_session", machine_id, session_sha256)
+
+    async def start_replica(self, replica_id: str, lease_ttl_s: float, down_after_s: float) -> int:
+        """Registers a starting replica. If none was seen for `down_after_s`, every running
+        lease gets at least a TTL from now. Returns how many leases were extended."""
+        row = await self._fetchrow("start_replica", replica_id, lease_ttl_s, down_after_s)
+        assert row is not None
+        extended: int = row[0]
+        return extended
+
+    async def record_notice(self, lease_id: str, epoch: int, message: str) -> None:
+        async with self._conn() as conn:
+            await conn.execute(QUERIES["record_notice"], _uuid_or_nil(lease_id), epoch, message)
+
+    async def lease_is_live(self, lease_id: str) -> bool:
+        row = await self._fetchrow("lease_is_live", _uuid_or_nil(lease_id))
+        return bool(row is not None and row[0])
+
+    async def touch_replica(self, replica_id: str) -> None:
+        async with self._conn() as conn:
+            await conn.execute(QUERIES["touch_replica"], replica_id)
 
     async def list_events(self, job_id: str, after_event_id: int, limit: int) -> list[JobEvent]:
         rows = await self._fetch("list_events", uuid.UUID(job_id), after_event_id, limit)
@@ -438,6 +845,10 @@ class Ledger:
         assert row is not None
         count: int = row[0]
         return count
+
+    async def count_jobs_by_state(self, cap: int) -> dict[str, int]:
+        rows = await self._fetch("count_jobs_by_state", cap)
+        return {str(r[0]): int(r[1]) for r in rows}
 
     # Webhook outbox -------------------------------------------------------------------------
 
@@ -469,11 +880,166 @@ class Ledger:
         row = await self._fetchrow("next_webhook_due")
         return None if row is None or row[0] is None else float(row[0])
 
-    async def list_webhook_deliveries(self, job_id: str) -> list[dict[str, Any]]:
-        return [dict(r) for r in await self._fetch("list_webhook_deliveries", uuid.UUID(job_id))]
+    async def list_webhook_deliveries(self, job_id: str) -> list[WebhookDeliveryRecord]:
+        return [
+            WebhookDeliveryRecord(
+                delivery_id=r["delivery_id"],
+                event=r["event"],
+                url=r["url"],
+                attempts=r["attempts"],
+                last_status=r["last_status"],
+                last_error=r["last_error"],
+                delivered_at=r["delivered_at"],
+                gave_up_at=r["gave_up_at"],
+                created_at=r["created_at"],
+                next_attempt_at=r["next_attempt_at"],
+            )
+            for r in await self._fetch("list_webhook_deliveries", uuid.UUID(job_id))
+        ]
 
-    async def job_leases(self, job_id: str) -> list[dict[str, Any]]:
-        return [dict(r) for r in await self._fetch("job_leases", uuid.UUID(job_id))]
+    async def job_leases(self, job_id: str) -> list[LeaseRecord]:
+        """Every lease the job was ever granted, oldest first."""
+        return [
+            LeaseRecord(
+                lease_id=str(r["lease_id"]),
+                job_id=str(r["job_id"]),
+                epoch=r["epoch"],
+                machine_id=r["machine_id"],
+                granted_at=r["granted_at"],
+                last_heartbeat_at=r["last_heartbeat_at"],
+                ended_at=r["ended_at"],
+                end_reason=r["end_reason"],
+            )
+            for r in await self._fetch("job_leases", uuid.UUID(job_id))
+        ]
+
+    # The scaler ---------------------------------------------------------------------------
+
+    async def drop_lease(self, machine_id: str, job_id: str, reason: str) -> Job | None:
+        """Ends machine's lease on the job, re-queues it from its checkpoint (no failure
+        counted) and bans the machine for it; None when the machine holds no such lease."""
+        row = await self._fetchrow("drop_lease", machine_id, _uuid_or_nil(job_id), reason)
+        return None if row is None else job_from_row(row)
+
+    async def list_nodes(
+        self, machine_ids: Sequence[str] | None, *, fault_window_s: float, limit: int
+    ) -> list[NodeRecord]:
+        """These machines (None: every one, most recently seen first)."""
+        rows = await self._fetch(
+            "list_nodes",
+            None if machine_ids is None else list(machine_ids),
+            fault_window_s,
+            limit,
+        )
+        return [
+            NodeRecord(
+                machine_id=r["machine_id"],
+                provider_instance_id=r["provider_instance_id"],
+                gpu_model=r["gpu_model"],
+                vram_mb=r["vram_mb"],
+                qualified=r["qualified"],
+                qualification_detail=r["qualification_detail"],
+                version=r["version"],
+                first_seen_at=r["first_seen_at"],
+                last_seen_at=r["last_seen_at"],
+                lease_job_id=_opt_str(r["lease_job_id"]),
+                node_faults=r["node_faults"],
+                recent_fault_times=tuple(r["recent_fault_times"]),
+                jobs_finished=r["jobs_finished"],
+            )
+            for r in rows
+        ]
+
+    async def step_samples(self, window_s: float, limit: int) -> list[StepSampleRecord]:
+        return [
+            StepSampleRecord(
+                machine_id=r["machine_id"],
+                job_id=str(r["job_id"]),
+                seconds_per_step=r["seconds_per_step"],
+                steps=r["steps"],
+                resolution=r["resolution"],
+                batch_size=r["batch_size"],
+                train_text_encoder=r["train_text_encoder"],
+                gpu_class=r["gpu_class"],
+            )
+            for r in await self._fetch("step_samples", window_s, limit)
+        ]
+
+    async def scaler_work(self) -> ScalerWork:
+        row = await self._fetchrow("scaler_work")
+        assert row is not None
+        return ScalerWork(
+            queued=row["queued"], running=row["running"], last_finished_at=row["last_finished_at"]
+        )
+
+    async def banned_queued_jobs(self, limit: int) -> list[BannedQueuedJob]:
+        return [
+            BannedQueuedJob(job_id=str(r["job_id"]), banned_machines=tuple(r["banned_machines"]))
+            for r in await self._fetch("banned_queued_jobs", limit)
+        ]
+
+    async def record_scaler_decision(
+        self,
+        *,
+        at: float,
+        scaler_id: str,
+        action: str,
+        target: str,
+        job_id: str | None,
+        reason: str,
+        figures: Mapping[str, Any],
+        fold_key: str = "",
+        error: str | None = None,
+    ) -> tuple[int, bool]:
+        """(row id, whether it folded into the target's newest row: a repeated HOLD)."""
+        row = await self._fetchrow(
+            "record_scaler_decision",
+            at,
+            scaler_id,
+            action,
+            target,
+            None if job_id is None else _uuid_or_nil(job_id),
+            reason,
+            dict(figures),
+            fold_key,
+            error,
+        )
+        assert row is not None
+        return int(row["decision_id"]), bool(row["folded"])
+
+    async def finish_scaler_decision(
+        self, decision_id: int, *, applied: bool, error: str | None
+    ) -> None:
+        await self._fetch("finish_scaler_decision", decision_id, applied, error)
+
+    async def recent_scaler_actions(self, since: float) -> list[ScalerAction]:
+        """What the scaler carried out since `since` (epoch seconds), oldest first."""
+        return [
+            ScalerAction(
+                at=r["at"], action=r["action"], target=r["target"], job_id=_opt_str(r["job_id"])
+            )
+            for r in await self._fetch("recent_scaler_actions", since)
+        ]
+
+    async def list_scaler_decisions(self, limit: int) -> list[ScalerDecisionRecord]:
+        """The newest decisions, newest first."""
+        return [
+            ScalerDecisionRecord(
+                decision_id=r["decision_id"],
+                at=r["at"],
+                last_at=r["last_at"],
+                repeats=r["repeats"],
+                scaler_id=r["scaler_id"],
+                action=r["action"],
+                target=r["target"],
+                job_id=_opt_str(r["job_id"]),
+                reason=r["reason"],
+                figures=dict(r["figures"]),
+                applied=r["applied"],
+                error=r["error"],
+            )
+            for r in await self._fetch("list_scaler_decisions", limit)
+        ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -485,6 +1051,39 @@ class WebhookDelivery:
     payload: dict[str, Any]
     attempts: int
     secret: str
+
+
+def sample_task_from_row(row: asyncpg.Record) -> SampleTask:
+    keys = set(row.keys())
+    return SampleTask(
+        task_id=str(row["task_id"]),
+        job_id=str(row["job_id"]),
+        owner=row["owner"] if "owner" in keys else "",
+        step=row["step"],
+        weights_key=row["weights_key"],
+        weights_sha256=row["weights_sha256"],
+        weights_is_checkpoint=row["weights_is_checkpoint"],
+        settings=SampleSettings.from_dict(row["settings"]),
+        state=row["state"],
+        epoch=row["epoch"],
+        lease_id=_opt_str(row["lease_id"]),
+        machine_id=row["machine_id"],
+        failures=row["failures"],
+        images=tuple(
+            StoredImage(
+                prompt_index=int(i["prompt_index"]),
+                image_index=int(i["image_index"]),
+                key=str(i["key"]),
+                size_bytes=int(i["size_bytes"]),
+                sha256=str(i["sha256"]),
+            )
+            for i in row["images"]
+        ),
+        error=row["error"],
+        busy_seconds=float(row["busy_seconds"]),
+        spec=JobSpec.from_dict(row["spec"]) if "spec" in keys else None,
+        traceparent=row["traceparent"] if "traceparent" in keys else None,
+    )
 
 
 def _uuid_or_nil(value: str) -> uuid.UUID:

@@ -1,44 +1,51 @@
 """The scheduler process: ledger, storage, LISTEN hub, gRPC services and sweepers in one lifecycle.
 
 async with Scheduler(config) as scheduler:   # started; scheduler.port is bound
-    await scheduler.wait()                   # until shutdown() or a component fails
+    await scheduler.wait()                   # until close() or a component fails
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import secrets
 import socket
 import uuid
 from pathlib import Path
-from types import TracebackType
-from typing import Self
 
 import asyncpg
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
+from prometheus_client import REGISTRY
 
+from lorafleet.core.lifecycle import AsyncLifecycle
+from lorafleet.core.settings import ConfigError
+from lorafleet.core.telemetry import MetricsServer
 from lorafleet.fleet.v1 import fleet_pb2, fleet_pb2_grpc
 from lorafleet.jobs.v1 import jobs_pb2, jobs_pb2_grpc
 from lorafleet.scheduler.auth import ApiKeyAuthenticator
 from lorafleet.scheduler.config import LocalStorage, SchedulerConfig
 from lorafleet.scheduler.database import EmbeddedPostgres, migrate
-from lorafleet.scheduler.fleet import Fleet
-from lorafleet.scheduler.jobs import JobHandler
+from lorafleet.scheduler.job_handler import JobHandler
 from lorafleet.scheduler.ledger import Ledger
+from lorafleet.scheduler.metrics import LEDGER_UP, JobStateCollector
 from lorafleet.scheduler.notifications import Notifications
 from lorafleet.scheduler.servicers import JobServicer, WorkerServicer
+from lorafleet.scheduler.sessions import StreamBounds, WorkerSessions
+from lorafleet.scheduler.signing import UrlSigner
 from lorafleet.scheduler.storage import (
     LocalObjectStore,
     LocalStoreConfig,
     ObjectStore,
     S3ObjectStore,
 )
-from lorafleet.scheduler.webhooks import WebhookSender
+from lorafleet.scheduler.sweeper import Sweeper
+from lorafleet.scheduler.webhooks import AddressPolicy, WebhookSender
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +53,20 @@ SERVICE_NAMES = (
     jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
     fleet_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
 )
+
+
+def tune_gc() -> None:
+    """For a scheduler process holding thousands of streams (docs/BENCHMARKS.md, the 5000-stream
+    p99): CPython's full collections walk every tracked object, and with 5000 sessions they
+    took 0.3-0.56 s each, 12 times in three minutes, stalling every grant in flight. Startup's
+    objects (modules, descriptors) are frozen out of the collector's walks, and full collections
+    are made rare: one after 100 middle ones instead of 10 (and, as always, only once a quarter
+    more objects survived than at the last one), young ones every 10 000 net allocations (at
+    50 000 a young collection itself took up to 0.1 s). Called once, by the process's entry
+    point, after start-up."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 100)
 
 
 def read_or_create_secret(path: Path, nbytes: int = 32) -> str:
@@ -60,7 +81,7 @@ def read_or_create_secret(path: Path, nbytes: int = 32) -> str:
     return value
 
 
-class Scheduler:
+class Scheduler(AsyncLifecycle):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.scheduler_id = config.scheduler_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
@@ -71,8 +92,13 @@ class Scheduler:
         self._ledger: Ledger | None = None
         self._storage: ObjectStore | None = None
         self._notifications: Notifications | None = None
-        self._fleet: Fleet | None = None
+        self._sessions: WorkerSessions | None = None
+        self._sweeper: Sweeper | None = None
         self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._metrics: MetricsServer | None = None
+        self._job_states: JobStateCollector | None = None
+        self.metrics_port = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
         self._shutdown_started = False
@@ -88,25 +114,15 @@ class Scheduler:
         return self._storage
 
     @property
-    def fleet(self) -> Fleet:
-        assert self._fleet is not None, "start() first"
-        return self._fleet
+    def sessions(self) -> WorkerSessions:
+        """The workers connected to this replica."""
+        assert self._sessions is not None, "start() first"
+        return self._sessions
 
-    async def __aenter__(self) -> Self:
-        try:
-            await self.start()
-        except BaseException:
-            await self.shutdown()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.shutdown()
+    @property
+    def sweeper(self) -> Sweeper:
+        assert self._sweeper is not None, "start() first"
+        return self._sweeper
 
     async def start(self) -> None:
         cfg = self.config
@@ -127,74 +143,164 @@ class Scheduler:
         self._notifications = Notifications(self.database_url)
         self._tasks.append(asyncio.create_task(self._notifications.run(), name="listen"))
         await asyncio.wait_for(self._notifications.wait_connected(), timeout=30)
-        self._fleet = Fleet(
+        signer = UrlSigner(
+            storage=self._storage,
+            ledger=self._ledger,
+            url_ttl_s=cfg.url_ttl_s,
+            lease_put_ttl_s=cfg.lease_put_ttl_s,
+        )
+        self._sweeper = Sweeper(
             ledger=self._ledger,
             storage=self._storage,
+            checkpoint_retention=cfg.checkpoint_retention,
+            replica_id=self.scheduler_id,
+            upload_url_ttl_s=cfg.lease_put_ttl_s,
+        )
+        # Before anything can expire a lease: if every replica was down (none swept for three
+        # intervals), the workers get a TTL from now to reconnect in (the outage was not theirs).
+        extended = await self._ledger.start_replica(
+            self.scheduler_id, cfg.lease_ttl_s, down_after_s=3 * cfg.sweep_interval_s
+        )
+        if extended:
+            log.warning(
+                "every replica was down; running leases get a lease TTL to reconnect",
+                leases=extended,
+                lease_ttl_s=cfg.lease_ttl_s,
+            )
+        self._sessions = WorkerSessions(
+            ledger=self._ledger,
+            storage=self._storage,
+            signer=signer,
+            sweeper=self._sweeper,
             notifications=self._notifications,
             scheduler_id=self.scheduler_id,
             lease_ttl_s=cfg.lease_ttl_s,
             heartbeat_interval_s=cfg.heartbeat_interval_s,
-            url_ttl_s=cfg.url_ttl_s,
-            checkpoint_retention=cfg.checkpoint_retention,
             dispatch_interval_s=cfg.dispatch_interval_s,
+            bounds=StreamBounds(
+                outbox_limit=cfg.worker_outbox_limit,
+                messages_per_s=cfg.worker_messages_per_s,
+                message_burst=cfg.worker_message_burst,
+            ),
         )
+        webhook_policy = AddressPolicy.from_text(cfg.webhook_allowed_networks)
         handler = JobHandler(
             ledger=self._ledger,
             storage=self._storage,
+            signer=signer,
             notifications=self._notifications,
-            url_ttl_s=cfg.url_ttl_s,
+            webhook_policy=webhook_policy,
+            price_per_gpu_hour=cfg.price_per_gpu_hour,
+            estimate_window_s=cfg.estimate_window_s,
         )
         server = grpc.aio.server(
+            # A span per JobService call, continuing the caller's trace (the CLI's). Not for
+            # the worker stream, health or reflection: the interceptor handles only
+            # generator-style streaming handlers, and a worker stream's work is traced per lease
+            # (grant, checkpoint, success) in the job's trace.
+            interceptors=[aio_server_interceptor(filter_=filters.service_name(SERVICE_NAMES[0]))],
             options=[
+                # gRPC binds with SO_REUSEPORT by default: a second scheduler on the same
+                # LORAFLEET_LISTEN would share the port silently. Off: it fails to bind.
+                ("grpc.so_reuseport", 0),
                 ("grpc.keepalive_time_ms", 20_000),
                 ("grpc.keepalive_timeout_ms", 10_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
-            ]
+            ],
         )
         jobs_pb2_grpc.add_JobServiceServicer_to_server(
             JobServicer(handler, ApiKeyAuthenticator(self._ledger)), server
         )
         fleet_pb2_grpc.add_WorkerServiceServicer_to_server(
             WorkerServicer(
-                self._fleet, worker_token=self.worker_token, hello_timeout_s=cfg.hello_timeout_s
+                self._sessions, worker_token=self.worker_token, hello_timeout_s=cfg.hello_timeout_s
             ),
             server,
         )
         health_servicer = health.aio.HealthServicer()
+        self._health = health_servicer
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        if cfg.tls_cert_file and cfg.tls_key_file:
-            credentials = grpc.ssl_server_credentials(
-                [(cfg.tls_key_file.read_bytes(), cfg.tls_cert_file.read_bytes())]
+        try:
+            if cfg.tls_cert_file and cfg.tls_key_file:
+                credentials = grpc.ssl_server_credentials(
+                    [(cfg.tls_key_file.read_bytes(), cfg.tls_cert_file.read_bytes())]
+                )
+                self.port = server.add_secure_port(cfg.listen, credentials)
+            else:
+                self.port = server.add_insecure_port(cfg.listen)
+        except RuntimeError:  # grpcio raises "Failed to bind"; older ones return 0
+            self.port = 0
+        if self.port == 0:
+            raise ConfigError(
+                f"--listen / LORAFLEET_LISTEN: cannot serve gRPC on {cfg.listen}: the address"
+                " is in use (another scheduler?) or not available on this machine"
             )
-            self.port = server.add_secure_port(cfg.listen, credentials)
-        else:
-            self.port = server.add_insecure_port(cfg.listen)
         await server.start()
         self._server = server
         for name in ("", *SERVICE_NAMES):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._tasks.append(asyncio.create_task(self._fleet.run(), name="dispatch"))
+        self._tasks.append(asyncio.create_task(self._sessions.run(), name="dispatch"))
         self._tasks.append(
-            asyncio.create_task(self._fleet.run_sweeper(cfg.sweep_interval_s), name="sweeper")
+            asyncio.create_task(self._sweeper.run(cfg.sweep_interval_s), name="sweeper")
         )
         webhooks = WebhookSender(
             ledger=self._ledger,
             notifications=self._notifications,
+            policy=webhook_policy,
             max_attempts=cfg.webhook_max_attempts,
             backoff_s=cfg.webhook_backoff_s,
             timeout_s=cfg.webhook_timeout_s,
         )
         self._tasks.append(asyncio.create_task(webhooks.run(), name="webhooks"))
+        self._tasks.append(
+            asyncio.create_task(self._watch_ledger(cfg.sweep_interval_s), name="ledger health")
+        )
+        if cfg.metrics_port is not None:
+            self._job_states = JobStateCollector(
+                self._ledger.count_jobs_by_state, asyncio.get_running_loop()
+            )
+            REGISTRY.register(self._job_states)
+            self._metrics = MetricsServer(port=cfg.metrics_port)
+            await self._metrics.start()
+            self.metrics_port = self._metrics.port
         log.info(
             "scheduler started",
             scheduler_id=self.scheduler_id,
             port=self.port,
             storage=type(self._storage).__name__,
+            metrics_port=self.metrics_port or None,
         )
+
+    async def _watch_ledger(self, interval_s: float) -> None:
+        """The health service says NOT_SERVING while the ledger cannot be reached (a load
+        balancer or a client's health check then goes elsewhere), and SERVING once it can."""
+        serving = True
+        while True:
+            try:
+                await asyncio.wait_for(self.ledger.count_queued(1), timeout=max(interval_s, 2.0))
+                reachable = True
+            except Exception as exc:
+                reachable = False
+                error = str(exc) or type(exc).__name__
+            LEDGER_UP.set(1 if reachable else 0)
+            if reachable != serving and self._health is not None:
+                serving = reachable
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if serving
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
+                for name in ("", *SERVICE_NAMES):
+                    await self._health.set(name, status)
+                if serving:
+                    log.info("ledger reachable again; health is SERVING")
+                else:
+                    log.warning("ledger unreachable; health is NOT_SERVING", error=error)
+            await asyncio.sleep(interval_s)
 
     def _make_storage(self) -> ObjectStore:
         cfg = self.config
@@ -207,12 +313,14 @@ class Scheduler:
                     host=cfg.storage.host,
                     port=cfg.storage.port,
                     public_base_url=cfg.storage.public_base_url,
-                )
+                ),
+                # A lease's upload URLs die with it (DESIGN.md, "Trust").
+                lease_is_live=self.ledger.lease_is_live,
             )
         return S3ObjectStore(cfg.storage)
 
     async def wait(self) -> None:
-        """Returns after shutdown(); raises if a component task failed."""
+        """Returns after close(); raises if a component task failed."""
         stopped = asyncio.create_task(self._stopped.wait())
         try:
             done, _ = await asyncio.wait(
@@ -224,13 +332,18 @@ class Scheduler:
             if task is not stopped and not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
 
-    async def shutdown(self, grace_s: float = 5.0) -> None:
+    async def close(self, grace_s: float = 5.0) -> None:
         """Idempotent: ends the worker streams, stops serving, then closes every component."""
         if self._shutdown_started:
             return
         self._shutdown_started = True
-        if self._fleet is not None:
-            await self._fleet.shutdown()
+        if self._sessions is not None:
+            await self._sessions.shutdown()
+        if self._metrics is not None:
+            await self._metrics.close()
+        if self._job_states is not None:
+            REGISTRY.unregister(self._job_states)
+            self._job_states = None
         if self._server is not None:
             await self._server.stop(grace_s)
         for task in self._tasks:

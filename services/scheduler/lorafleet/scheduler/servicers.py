@@ -9,33 +9,41 @@ from typing import NoReturn, TypeVar
 import grpc
 import structlog
 
-from lorafleet.errors import (
+from lorafleet.core.errors import (
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     LedgerUnavailable,
     LorafleetError,
     NotFound,
+    ResourceExhausted,
     StorageError,
     Unauthenticated,
 )
-from lorafleet.fleet.v1 import fleet_pb2 as fpb
-from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
-from lorafleet.jobs.v1 import jobs_pb2 as pb
-from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
-from lorafleet.scheduler.auth import ApiKeyAuthenticator, Principal, check_worker_token
-from lorafleet.scheduler.fleet import Fleet
-from lorafleet.scheduler.jobs import JobHandler, Submission
-from lorafleet.serde import (
+from lorafleet.core.serde import (
+    checkpoint_to_proto,
     event_to_proto,
     job_state_from_proto,
     job_to_proto,
     spec_from_proto,
     timestamp,
 )
-from lorafleet.spec import JobSpec
+from lorafleet.core.spec import JobSpec
+from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
+from lorafleet.jobs.v1 import jobs_pb2 as pb
+from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
+from lorafleet.scheduler.auth import ApiKeyAuthenticator, Principal, check_worker_token
+from lorafleet.scheduler.job_handler import JobHandler, Submission
+from lorafleet.scheduler.ledger import LedgerError
+from lorafleet.scheduler.sessions import WorkerSessions
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+
+
+# gRPC's own retry hint (honoured by clients with a retry policy): try again after a second.
+RETRY_HINT = (("grpc-retry-pushback-ms", "1000"),)
 
 
 async def abort_for(context: grpc.aio.ServicerContext[object, object], exc: Exception) -> NoReturn:
@@ -48,8 +56,18 @@ async def abort_for(context: grpc.aio.ServicerContext[object, object], exc: Exce
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
     if isinstance(exc, FailedPrecondition):
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    if isinstance(exc, AlreadyExists):
+        await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+    if isinstance(exc, ResourceExhausted):
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), RETRY_HINT)
     if isinstance(exc, (LedgerUnavailable, StorageError)) and exc.retryable:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE, f"{exc}; retry in a few seconds", RETRY_HINT
+        )
+    if isinstance(exc, LedgerError):
+        # A bug or a misconfiguration behind the ledger: its SQL details are for the log only.
+        log.error("ledger error", exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the scheduler log")
     if isinstance(exc, LorafleetError):
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
     log.error("internal error", exc_info=exc)
@@ -102,6 +120,23 @@ class JobServicer(pbgrpc.JobServiceServicer):
             ]
             jobs = await self._handler.submit(caller.owner, subs, api_key_id=caller.key_id)
             return pb.SubmitJobsResponse(jobs=[job_to_proto(j) for j in jobs])
+
+        return await self._call(context, run)
+
+    async def EstimateJob(
+        self, request: pb.EstimateJobRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.EstimateJobResponse:
+        async def run(caller: Principal) -> pb.EstimateJobResponse:
+            e = await self._handler.estimate(_spec(request.spec, "spec"), api_key_id=caller.key_id)
+            return pb.EstimateJobResponse(
+                seconds_per_step=e.seconds_per_step,
+                samples=e.samples,
+                seconds=e.seconds,
+                price_per_gpu_hour=e.price_per_gpu_hour,
+                dollars=e.dollars,
+                spend_limit_dollars=e.spend_limit_dollars or 0.0,
+                spent_dollars=e.spent_dollars,
+            )
 
         return await self._call(context, run)
 
@@ -196,7 +231,6 @@ class JobServicer(pbgrpc.JobServiceServicer):
         self, request: pb.GetJobArtifactsRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.GetJobArtifactsResponse:
         async def run(caller: Principal) -> pb.GetJobArtifactsResponse:
-            from lorafleet.serde import checkpoint_to_proto
 
             artifacts = await self._handler.artifacts(caller.owner, request.job_id)
             response = pb.GetJobArtifactsResponse()
@@ -205,6 +239,12 @@ class JobServicer(pbgrpc.JobServiceServicer):
                 response.result.CopyFrom(
                     pb.SignedUrl(
                         key=r.key, url=r.url, method=r.method, expires_at=timestamp(r.expires_at)
+                    )
+                )
+            for fmt, u in artifacts.results_by_format.items():
+                response.results_by_format[fmt].CopyFrom(
+                    pb.SignedUrl(
+                        key=u.key, url=u.url, method=u.method, expires_at=timestamp(u.expires_at)
                     )
                 )
             for checkpoint, url in artifacts.checkpoints:
@@ -217,6 +257,23 @@ class JobServicer(pbgrpc.JobServiceServicer):
                     )
                 )
                 response.checkpoint_records.append(checkpoint_to_proto(checkpoint))
+            for step, prompt, image, url in artifacts.samples:
+                response.samples.append(
+                    pb.SampleImage(
+                        step=step,
+                        prompt_index=image.prompt_index,
+                        prompt=prompt,
+                        image_index=image.image_index,
+                        url=pb.SignedUrl(
+                            key=url.key,
+                            url=url.url,
+                            method=url.method,
+                            expires_at=timestamp(url.expires_at),
+                        ),
+                        size_bytes=image.size_bytes,
+                        sha256=image.sha256,
+                    )
+                )
             return response
 
         return await self._call(context, run)
@@ -231,16 +288,16 @@ class JobServicer(pbgrpc.JobServiceServicer):
             return pb.ListWebhookDeliveriesResponse(
                 deliveries=[
                     pb.WebhookDelivery(
-                        delivery_id=r["delivery_id"],
-                        event=r["event"],
-                        url=r["url"],
-                        attempts=r["attempts"],
-                        last_status=r["last_status"] or 0,
-                        last_error=r["last_error"] or "",
-                        delivered_at=timestamp(r["delivered_at"]),
-                        gave_up_at=timestamp(r["gave_up_at"]),
-                        created_at=timestamp(r["created_at"]),
-                        next_attempt_at=timestamp(r["next_attempt_at"]),
+                        delivery_id=r.delivery_id,
+                        event=r.event,
+                        url=r.url,
+                        attempts=r.attempts,
+                        last_status=r.last_status or 0,
+                        last_error=r.last_error or "",
+                        delivered_at=timestamp(r.delivered_at),
+                        gave_up_at=timestamp(r.gave_up_at),
+                        created_at=timestamp(r.created_at),
+                        next_attempt_at=timestamp(r.next_attempt_at),
                     )
                     for r in rows
                 ]
@@ -248,24 +305,45 @@ class JobServicer(pbgrpc.JobServiceServicer):
 
         return await self._call(context, run)
 
+    async def RequestSamples(
+        self, request: pb.RequestSamplesRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.RequestSamplesResponse:
+        async def run(caller: Principal) -> pb.RequestSamplesResponse:
+            steps = await self._handler.request_samples(
+                caller.owner,
+                request.job_id,
+                prompts=list(request.prompts),
+                steps=list(request.steps),
+                negative_prompt=request.negative_prompt,
+                guidance_scale=request.guidance_scale,
+                inference_steps=request.inference_steps,
+                num_images=request.num_images,
+                seed=request.seed,
+            )
+            return pb.RequestSamplesResponse(steps=steps)
+
+        return await self._call(context, run)
+
 
 class WorkerServicer(fgrpc.WorkerServiceServicer):
-    def __init__(self, fleet: Fleet, *, worker_token: str, hello_timeout_s: float) -> None:
-        self._fleet = fleet
+    def __init__(
+        self, sessions: WorkerSessions, *, worker_token: str, hello_timeout_s: float
+    ) -> None:
+        self._sessions = sessions
         self._worker_token = worker_token
         self._hello_timeout_s = hello_timeout_s
 
-    async def Connect(
+    async def Connect(  # type: ignore[override]  # writes with context.write, see below
         self,
         request_iterator: AsyncIterator[fpb.ConnectRequest],
         context: grpc.aio.ServicerContext[object, object],
-    ) -> AsyncIterator[fpb.ConnectResponse]:
+    ) -> None:
         try:
             check_worker_token(context.invocation_metadata() or (), self._worker_token)
             first = await asyncio.wait_for(anext(request_iterator), self._hello_timeout_s)
             if first.WhichOneof("message") != "hello":
                 raise InvalidArgument("hello", "the first message on the stream must be Hello")
-            session = await self._fleet.open_session(first.hello)
+            session = await self._sessions.open_session(first.hello)
         except (TimeoutError, StopAsyncIteration):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "hello: not received in time")
         except Exception as exc:
@@ -276,19 +354,39 @@ class WorkerServicer(fgrpc.WorkerServiceServicer):
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    await self._fleet.handle(session, request)
+                    await self._sessions.handle(session, request)
             except Exception as exc:  # reported on the stream below
                 failure.append(exc)
             finally:
-                self._fleet.close_session(session)
+                self._sessions.close_session(session)
 
         reader = asyncio.create_task(read())
         try:
             while (message := await session.outbox.get()) is not None:
-                yield message
+                # A write waits for the worker to read (flow control). A worker that never reads
+                # fills the bounded outbox meanwhile; then the write is given up and the stream
+                # ends, so no unread reply is kept anywhere.
+                write = asyncio.ensure_future(context.write(message))
+                overflow = asyncio.ensure_future(session.overflowing.wait())
+                try:
+                    await asyncio.wait([write, overflow], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    overflow.cancel()
+                if not write.done():
+                    write.cancel()
+                    await asyncio.gather(write, return_exceptions=True)
+                    break
+                write.result()
         finally:
-            self._fleet.close_session(session)
+            self._sessions.close_session(session)
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
+        if session.overflowed:
+            failure.insert(
+                0,
+                ResourceExhausted(
+                    f"the worker left {session.bounds.outbox_limit} replies unread; disconnected"
+                ),
+            )
         if failure:
             await abort_for(context, failure[0])

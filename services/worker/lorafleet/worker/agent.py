@@ -19,7 +19,8 @@ States and transitions (`State`, `TRANSITIONS`; any other transition is a bug an
 * QUALIFYING: the probe (qualify.py) runs once, in a thread; its result goes in every Hello.
 * CONNECTING: opens a stream (a fresh channel per attempt) with `authorization: Bearer`, sends
   Hello (`held_lease` set while a lease is live) and waits for Welcome. Failed attempts back off
-  exponentially with full jitter, bounded by `reconnect_max_backoff_s`. A lease keeps training
+  by the shared rule (`lorafleet.core.retry.backoff_delay`: exponential, full jitter), bounded
+  by `reconnect_max_backoff_s`. A lease keeps training
   meanwhile; only its messages wait.
 * IDLE: says Ready once it is free (a revoked lease's thread has stopped), then waits: work is
   pushed. Heartbeats with an empty lease keep the machine seen.
@@ -33,8 +34,19 @@ States and transitions (`State`, `TRANSITIONS`; any other transition is a bug an
 The lease itself (`_runner`) is data next to the state, not a state: it survives CONNECTING and
 DRAINING.
 
+Beside the connection, two helpers talk to the provider's metadata service (config
+`spot_notice`, `salad_reallocate`): with `spot_notice` `ec2`, a watcher polls EC2's spot
+interruption notice from the start (spot_notice.py) and calls `drain()` when one appears, exactly
+as SIGTERM does; on SaladCloud, a failed qualification probe asks the node's IMDS to reallocate
+this container (salad_imds.py) while the agent connects as usual (the scheduler records the
+failed probe; SaladCloud's SIGTERM follows). Both stop with the agent.
+
 Lifecycle: `async with Agent(config) as agent: await agent.run()`; `drain(reason)` asks for a
 graceful stop (signal handlers call it); `shutdown()` stops at once and is idempotent.
+
+The agent owns the thread its leases train on (`TrainingThread`): started with the agent, shut
+down when `run()` ends. A run still inside a step when the grace period is over is left to
+finish alone (the thread is a daemon, see training_thread.py), so the process exits promptly.
 """
 
 from __future__ import annotations
@@ -43,18 +55,21 @@ import asyncio
 import collections
 import enum
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Self
+from typing import Any
 
 import grpc
 import structlog
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-import lorafleet
-from lorafleet.errors import LorafleetError
+from lorafleet.core import __version__
+from lorafleet.core.errors import LorafleetError
+from lorafleet.core.lifecycle import AsyncLifecycle
+from lorafleet.core.retry import backoff_delay
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
+from lorafleet.worker import metrics
 from lorafleet.worker.config import WorkerConfig
 from lorafleet.worker.lease_runner import (
     LeaseLost,
@@ -63,6 +78,11 @@ from lorafleet.worker.lease_runner import (
     TrainerFactory,
 )
 from lorafleet.worker.qualify import QualificationResult, probe
+from lorafleet.worker.salad_imds import request_reallocation
+from lorafleet.worker.sample_runner import SampleRunner
+from lorafleet.worker.spot_notice import watch_spot_notice
+from lorafleet.worker.training.samples import SamplePipelines
+from lorafleet.worker.training_thread import TrainingThread
 from lorafleet.worker.transfer import TransferClient
 
 log = structlog.get_logger(__name__)
@@ -71,6 +91,8 @@ log = structlog.get_logger(__name__)
 _FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 # Reserve of the drain grace kept for saying Draining after the checkpoint phase.
 _DRAIN_REPLY_RESERVE_S = 5.0
+# How long stopping an idle training thread may take (it only has to leave its queue).
+_IDLE_THREAD_STOP_S = 5.0
 
 
 class State(enum.Enum):
@@ -98,11 +120,6 @@ class AgentError(LorafleetError):
 
 class _StreamFailed(Exception):
     """A connection attempt or an open stream failed; the agent reconnects."""
-
-
-def backoff_delay(attempt: int, *, initial_s: float, max_s: float, rng: random.Random) -> float:
-    """Full jitter: uniform in [0, min(max_s, initial_s * 2**attempt)]."""
-    return rng.uniform(0.0, min(max_s, initial_s * 2.0 ** min(attempt, 30)))
 
 
 def same_lease(a: fpb.LeaseRef, lease_id: str, epoch: int) -> bool:
@@ -172,7 +189,7 @@ class _Link:
         await self._agent._send_for_lease(self._ref, message)
 
 
-class Agent:
+class Agent(AsyncLifecycle):
     """The worker process's one long-lived component; see the module docstring."""
 
     def __init__(
@@ -194,33 +211,48 @@ class Agent:
         self._state = State.QUALIFYING
         self._changed = asyncio.Event()
         self._session: _Session | None = None
-        self._runner: LeaseRunner | None = None
+        self._runner: LeaseRunner | SampleRunner | None = None
+        # The base pipeline sample tasks keep loaded between them (issue 13).
+        self.sample_pipelines = SamplePipelines()
         self._runner_task: asyncio.Task[LeaseResult] | None = None
         self._terminal: _Terminal | None = None
+        # What this worker was given that proves it is itself after a reconnect: the session
+        # token of its last stream, and the secret of each lease it may still hold.
+        self._session_token = ""
+        # The scheduler's Welcome says how long a silent lease lives; reconnects stay below it.
+        self._announced_lease_ttl_s: float | None = None
+        self._lease_secrets: dict[str, str] = {}
         self._transfer = TransferClient(config.transfer)
+        self._training = TrainingThread(name=f"lorafleet-training-{config.machine_id}")
         self._finished = asyncio.Event()
         self._stopped = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
+        # When a drain's grace period ends (loop time), once one has started.
+        self._drain_deadline: float | None = None
         # The lease a drain still has to report in `Draining`, once its runner has ended.
         self._draining_lease: fpb.LeaseRef | None = None
+        # Helpers beside the connection: the spot-notice watcher, a reallocation request.
+        self._side_tasks: set[asyncio.Task[None]] = set()
+        # Whether SaladCloud accepted a reallocation request (None: none was made).
+        self.reallocation_requested: bool | None = None
         self._running = False
+        self._ran = False
         self._shutdown_started = False
         self._log = log.bind(machine_id=config.machine_id)
         # The last few leases' runners, newest last: what they committed, noticed, ended with.
-        self.recent_leases: collections.deque[LeaseRunner] = collections.deque(maxlen=8)
+        self.recent_leases: collections.deque[LeaseRunner | SampleRunner] = collections.deque(
+            maxlen=8
+        )
 
     # Lifecycle --------------------------------------------------------------------------------
 
-    async def __aenter__(self) -> Self:
+    async def start(self) -> None:
+        """Opens the transfer pool and starts the training thread; idempotent."""
         await self._transfer.start()
-        return self
+        self._training.start()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def close(self) -> None:
+        """Leaving `async with`: `shutdown()`."""
         await self.shutdown()
 
     @property
@@ -233,7 +265,7 @@ class Agent:
         return self._runner is not None
 
     @property
-    def runner(self) -> LeaseRunner | None:
+    def runner(self) -> LeaseRunner | SampleRunner | None:
         """The current lease's runner, if any (for observation)."""
         return self._runner
 
@@ -256,12 +288,17 @@ class Agent:
         if self._running:
             raise RuntimeError("Agent.run() is already running")
         self._running = True
-        await self._transfer.start()
+        self._ran = True
+        await self.start()
         try:
+            if self.config.spot_notice == "ec2":
+                self._side_task(self._watch_spot_notice())
             if self.qualification is None:
                 self.qualification = await asyncio.to_thread(probe, self.config)
             if self._finished.is_set():
                 return
+            if not self.qualification.passed and self.config.salad_reallocate_enabled:
+                self._side_task(self._reallocate(self.qualification.detail))
             self._set_state(State.CONNECTING)
             await self._connection_loop()
         finally:
@@ -275,6 +312,7 @@ class Agent:
             self._finished.set()
             return
         self._log.info("draining", reason=reason)
+        self._drain_deadline = asyncio.get_running_loop().time() + self.config.drain_grace_s
         # The state and the stop request change now, not when the task first runs: the
         # training thread sees the drain at its very next step boundary.
         self._set_state(State.DRAINING)
@@ -291,10 +329,15 @@ class Agent:
                 self._runner.abort("worker shutting down")
         if self._running:
             await self._stopped.wait()
+        if not self._ran:
+            await self._stop_training_thread()  # run() does it when it ends
         await self._transfer.close()
 
     async def _teardown(self) -> None:
         self._finished.set()
+        for side in list(self._side_tasks):
+            side.cancel()
+        await asyncio.gather(*self._side_tasks, return_exceptions=True)
         drain = self._drain_task
         if drain is not None and not drain.done():
             drain.cancel()
@@ -304,11 +347,15 @@ class Agent:
             if self._runner is not None:
                 self._runner.abort("worker stopping")
             # The runner waits for its thread to see the stop: one training step, unless the
-            # thread is still loading a model. Past the grace period it is left behind (the
-            # `busy` property says so, and main() exits without waiting for it).
-            done, _ = await asyncio.wait([task], timeout=self.config.drain_grace_s)
+            # thread is still loading a model. It gets the grace period (what is left of it
+            # after a drain); past it, it is left behind (`busy` says so).
+            grace_s = self.config.drain_grace_s
+            if self._drain_deadline is not None:
+                grace_s = max(0.0, self._drain_deadline - asyncio.get_running_loop().time())
+            done, _ = await asyncio.wait([task], timeout=grace_s)
             if not done:
-                self._log.warning("the training thread did not stop in time")
+                self._log.warning("the lease did not stop in time")
+        await self._stop_training_thread()
         session = self._session
         if session is not None:
             await session.close()
@@ -321,6 +368,41 @@ class Agent:
         self._stopped.set()
         self._log.info("worker stopped")
 
+    async def _stop_training_thread(self) -> None:
+        # An idle thread stops at once. One still inside a step after the grace period is not
+        # waited for: it is a daemon and does not keep the process alive (training_thread.py).
+        gone = await self._training.shutdown(0.0 if self.busy else _IDLE_THREAD_STOP_S)
+        if not gone:
+            self._log.warning(
+                "the training thread is still inside a step; leaving without it",
+                job_id=self._runner.job_id if self._runner else None,
+            )
+
+    # The provider's metadata service ----------------------------------------------------------
+
+    def _side_task(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    async def _watch_spot_notice(self) -> None:
+        """EC2's interruption notice drains the worker, exactly as SIGTERM does."""
+        notice = await watch_spot_notice(
+            base_url=self.config.ec2_metadata_url,
+            interval_s=self.config.spot_notice_interval_s,
+            stop=self._finished,
+        )
+        if notice is not None:
+            self._log.warning("spot interruption notice", action=notice.action, at=notice.time)
+            self.drain(f"spot interruption notice: {notice.action} at {notice.time}")
+
+    async def _reallocate(self, detail: str) -> None:
+        """A node that failed qualification will never get work: ask SaladCloud for another."""
+        self.reallocation_requested = await request_reallocation(
+            f"lorafleet qualification failed: {detail}", base_url=self.config.salad_imds_url
+        )
+        self._notify()
+
     # State ------------------------------------------------------------------------------------
 
     def _set_state(self, new: State) -> None:
@@ -330,6 +412,7 @@ class Agent:
         if new not in TRANSITIONS[old]:
             raise RuntimeError(f"illegal worker state transition {old.value} -> {new.value}")
         self._state = new
+        metrics.STATE.state(new.value)
         runner = self._runner
         self._log.info(
             "worker state",
@@ -351,6 +434,15 @@ class Agent:
 
     # Connecting -------------------------------------------------------------------------------
 
+    @property
+    def reconnect_max_backoff_s(self) -> float:
+        """The configured bound, and never more than a third of the lease TTL the scheduler
+        announced: a worker holding a lease must get back several times before it expires."""
+        bound = self.config.reconnect_max_backoff_s
+        if self._announced_lease_ttl_s is not None:
+            bound = min(bound, self._announced_lease_ttl_s / 3)
+        return max(bound, self.config.reconnect_initial_backoff_s)
+
     async def _connection_loop(self) -> None:
         attempt = 0
         while not self._finished.is_set():
@@ -364,10 +456,11 @@ class Agent:
                 delay = backoff_delay(
                     attempt,
                     initial_s=self.config.reconnect_initial_backoff_s,
-                    max_s=self.config.reconnect_max_backoff_s,
+                    max_s=self.reconnect_max_backoff_s,
                     rng=self._rng,
                 )
                 attempt += 1
+                metrics.RECONNECTS.inc()
                 self._log.warning(
                     "connection attempt failed",
                     error=str(exc),
@@ -399,11 +492,15 @@ class Agent:
             ("grpc.http2.max_pings_without_data", 0),
         ]
         address = self.config.scheduler_address
+        # A client span per stream; its trace context goes to the scheduler's server span.
+        interceptors = aio_client_interceptors()
         if self.config.tls:
             ca = self.config.tls_ca_file.read_bytes() if self.config.tls_ca_file else None
             credentials = grpc.ssl_channel_credentials(root_certificates=ca)
-            return grpc.aio.secure_channel(address, credentials, options=options)
-        return grpc.aio.insecure_channel(address, options=options)
+            return grpc.aio.secure_channel(
+                address, credentials, options=options, interceptors=interceptors
+            )
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
     def _hello(self) -> fpb.Hello:
         qualification = self.qualification
@@ -414,14 +511,21 @@ class Agent:
             gpu_model=qualification.gpu_model,
             vram_mb=qualification.vram_mb,
             qualification=qualification.to_proto(),
-            version=lorafleet.__version__,
+            version=__version__,
         )
+        # The previous stream's token: this machine id stays ours across the reconnect.
+        hello.session_token = self._session_token
         runner = self._runner
         unconfirmed = self._unconfirmed()
+        held = None
         if runner is not None and runner.holds_lease:
-            hello.held_lease.CopyFrom(runner.ref)
+            held = runner.ref
         elif unconfirmed is not None:
-            hello.held_lease.CopyFrom(unconfirmed.ref)
+            held = unconfirmed.ref
+        if held is not None:
+            hello.held_lease.CopyFrom(held)
+            # Only the stream the lease was granted on was given its secret: it proves ours.
+            hello.held_lease_secret = self._lease_secrets.get(held.lease_id, "")
         return hello
 
     def _unconfirmed(self) -> _Terminal | None:
@@ -461,6 +565,8 @@ class Agent:
         session.heartbeat_interval_s = (
             first.welcome.heartbeat_interval_s or self.config.default_heartbeat_interval_s
         )
+        if first.welcome.lease_ttl_s > 0:
+            self._announced_lease_ttl_s = float(first.welcome.lease_ttl_s)
         self._session = session
         self._on_welcome(session, first.welcome)
         return session
@@ -523,6 +629,8 @@ class Agent:
         kind = message.WhichOneof("message")
         if kind == "lease_granted":
             self._on_grant(session, message.lease_granted)
+        elif kind == "sample_task_granted":
+            self._on_grant(session, message.sample_task_granted)
         elif kind == "lease_revoked":
             revoked = message.lease_revoked
             reason = fpb.RevokeReason.Name(revoked.reason)
@@ -541,6 +649,7 @@ class Agent:
             self._log.warning("unexpected message from the scheduler", kind=kind)
 
     def _on_welcome(self, session: _Session, welcome: fpb.Welcome) -> None:
+        self._session_token = welcome.session_token
         resumed = welcome.resumed_lease
         runner = self._runner
         terminal = self._unconfirmed()
@@ -554,6 +663,7 @@ class Agent:
         )
         if runner is not None and runner.holds_lease:
             if same_lease(runner.ref, resumed.lease_id, resumed.epoch):
+                runner.reconnected()  # what it asked on the old stream, it asks again now
                 if self._state is not State.DRAINING:
                     self._set_state(State.LEASED)
                 return
@@ -568,7 +678,8 @@ class Agent:
         if self._state is not State.DRAINING:
             self._enter_idle()
 
-    def _on_grant(self, session: _Session, grant: fpb.LeaseGranted) -> None:
+    def _on_grant(self, session: _Session, grant: fpb.LeaseGranted | fpb.SampleTaskGranted) -> None:
+        """A training lease or a sample task (a lease of its own kind, issue 13)."""
         ref = fpb.LeaseRef(lease_id=grant.lease.lease_id, epoch=grant.lease.epoch)
         if self._state is State.DRAINING:
             # Granted before our Draining arrived: hand it back so it is re-queued at once.
@@ -580,13 +691,32 @@ class Agent:
             self._log.error("lease granted while busy; it will expire", job_id=grant.lease.job_id)
             return
         self._terminal = None
-        runner = LeaseRunner(
-            grant=grant,
-            link=_Link(self, ref),
-            transfer=self._transfer,
-            config=self.config,
-            **({"trainer_factory": self._trainer_factory} if self._trainer_factory else {}),
-        )
+        # Kept for a reconnect (Hello.held_lease_secret); only the newest few can be held.
+        self._lease_secrets[grant.lease.lease_id] = grant.lease_secret
+        while len(self._lease_secrets) > 4:
+            del self._lease_secrets[next(iter(self._lease_secrets))]
+        runner: LeaseRunner | SampleRunner
+        if isinstance(grant, fpb.SampleTaskGranted):
+            runner = SampleRunner(
+                grant=grant,
+                link=_Link(self, ref),
+                transfer=self._transfer,
+                training=self._training,
+                config=self.config,
+                pipelines=self.sample_pipelines,
+            )
+        else:
+            # The training run needs the memory a kept sample pipeline holds: released first,
+            # on the training thread (its queue runs it before the run).
+            self._training.submit(self.sample_pipelines.release)
+            runner = LeaseRunner(
+                grant=grant,
+                link=_Link(self, ref),
+                transfer=self._transfer,
+                training=self._training,
+                config=self.config,
+                **({"trainer_factory": self._trainer_factory} if self._trainer_factory else {}),
+            )
         self._runner = runner
         self.recent_leases.append(runner)
         self._set_state(State.LEASED)
@@ -622,7 +752,7 @@ class Agent:
                     detail=self.qualification.detail if self.qualification else "",
                 )
 
-    async def _run_lease(self, runner: LeaseRunner) -> LeaseResult:
+    async def _run_lease(self, runner: LeaseRunner | SampleRunner) -> LeaseResult:
         try:
             return await runner.run()
         finally:
@@ -674,7 +804,7 @@ class Agent:
         finally:
             self._finished.set()
 
-    async def _say_draining(self, runner: LeaseRunner | None, reason: str) -> None:
+    async def _say_draining(self, runner: LeaseRunner | SampleRunner | None, reason: str) -> None:
         """Sends Draining (with the lease when we still hold it) and waits until the scheduler
         has read everything (it ends the stream after our half-close)."""
         drained = fpb.Draining(reason=reason[:500])

@@ -1,28 +1,10 @@
-"""Worker configuration: one frozen value built once from flags and the environment.
+"""Worker configuration: one frozen value, each option declared once.
 
-Environment variables (flags of `lorafleet worker` override them, see `main.py`):
-
-========================================  =====================================================
-`LORAFLEET_SCHEDULER`                     scheduler address `host:port` (default 127.0.0.1:50051)
-`LORAFLEET_WORKER_TOKEN`                  shared worker token, sent as `authorization: Bearer`
-`LORAFLEET_SCHEDULER_TLS`                 1: connect with TLS (system roots, or the CA below)
-`LORAFLEET_SCHEDULER_CA`                  PEM file of the CA that signed the scheduler's cert
-`SALAD_MACHINE_ID`, `LORAFLEET_MACHINE_ID`  machine id (bans attach to it); default: hostname
-`SALAD_CONTAINER_GROUP_INSTANCE_ID`,      provider instance id (what the scaler reallocates)
-`SALAD_INSTANCE_ID`,
-`LORAFLEET_PROVIDER_INSTANCE_ID`
-`LORAFLEET_ALLOW_CPU`                     1: a machine without CUDA passes qualification
-`LORAFLEET_GPU_MODEL`, `LORAFLEET_VRAM_MB`  override what the probe reports
-`LORAFLEET_DEVICE`                        auto | cpu | cuda (default auto)
-`LORAFLEET_MODEL_PATH`, `LORAFLEET_VAE_PATH`  local diffusers directories replacing the spec's
-                                          `base_model` / `vae_model`
-`LORAFLEET_MODEL_CACHE_DIR`               hub download cache (`from_pretrained(cache_dir=)`)
-`LORAFLEET_LOCAL_FILES_ONLY`              1: never download model files
-`LORAFLEET_DRAIN_GRACE_S`                 seconds a SIGTERM drain may take (default 25)
-`LORAFLEET_MIN_FREE_DISK_MB`,             qualification floors
-`LORAFLEET_MIN_FREE_MEMORY_MB`,
-`LORAFLEET_MIN_TFLOPS`
-========================================  =====================================================
+Every option is a field of `WorkerConfig` below: its type, default, constraints, help text and
+environment variables (`LORAFLEET_<FIELD>` unless the field names others). `lorafleet worker
+--help` lists them all with their variables and defaults (`lorafleet.core.settings.add_flags`);
+`load(WorkerConfig, args, env=...)` reads the environment, lays the flags on top and validates,
+raising `ConfigError` that names each bad option as the user wrote it.
 """
 
 from __future__ import annotations
@@ -31,30 +13,21 @@ import os
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal, Self
 
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+
+from lorafleet.core.settings import ConfigError, ServiceSettings, describe, load
 from lorafleet.worker.transfer import TransferConfig
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 
 DEFAULT_SCHEDULER = "127.0.0.1:50051"
-# The scheduler's own rule for machine ids (fleet.machine_from_hello).
-_MACHINE_ID = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
-_TRUE = frozenset({"1", "true", "yes", "on"})
-
-
-def _flag(value: str | None) -> bool:
-    return (value or "").strip().lower() in _TRUE
-
-
-def _first(env: Mapping[str, str], *names: str) -> str:
-    for name in names:
-        value = env.get(name, "").strip()
-        if value:
-            return value
-    return ""
+# The scheduler's own rule for machine ids (serde.machine_from_hello).
+MACHINE_ID_PATTERN = r"^[A-Za-z0-9_.:@-]{1,128}$"
+# Of EC2's two-minute spot notice, what the poll interval and the drain may use together.
+SPOT_NOTICE_BUDGET_S = 100.0
 
 
 def default_machine_id() -> str:
@@ -63,143 +36,229 @@ def default_machine_id() -> str:
     return cleaned or "worker"
 
 
-@dataclass(frozen=True, kw_only=True)
-class WorkerConfig:
+class WorkerConfig(ServiceSettings):
     """Everything one worker process needs; built once, never mutated.
 
-    Connection: `scheduler_address`, `worker_token`, `tls`, `tls_ca_file`, the reconnect
-    backoff bounds and `welcome_timeout_s`. Identity: `machine_id`, `provider_instance_id`,
-    and `gpu_model` / `vram_mb` overrides (None: what the probe measures). Qualification:
-    `allow_cpu` and the floors. Training: where the model comes from and how images are
-    sampled (`TrainingConfig`'s machine-side fields). Behaviour: `drain_grace_s` bounds a
-    graceful stop. (Checkpoint memory is bounded by design: one snapshot uploading, one
-    waiting; see `lease_runner.CheckpointPipeline`.)
+    (Checkpoint memory is bounded by design: one snapshot uploading, one waiting; see
+    `lease_runner.CheckpointPipeline`.)
     """
 
-    worker_token: str
-    scheduler_address: str = DEFAULT_SCHEDULER
-    tls: bool = False
-    tls_ca_file: Path | None = None
-    machine_id: str = field(default_factory=default_machine_id)
-    provider_instance_id: str = ""
+    # The retry policy of uploads and downloads: tuned by tests, not an operator's option.
+    not_flags: ClassVar[frozenset[str]] = frozenset({"transfer", "salad_container_group_id"})
+
+    # Connection.
+    worker_token: str = Field(
+        min_length=1,
+        description="the fleet's shared worker token, sent as `authorization: Bearer` (prefer"
+        " the variable: a flag shows in the process list)",
+    )
+    scheduler_address: str = Field(
+        DEFAULT_SCHEDULER,
+        pattern=r"^[^/\s]+$",
+        description="the scheduler's address, host:port",
+        validation_alias=AliasChoices("LORAFLEET_SCHEDULER"),
+    )
+    tls: bool = Field(
+        False,
+        description="connect with TLS (the system's roots, or --tls-ca-file)",
+        validation_alias=AliasChoices("LORAFLEET_SCHEDULER_TLS"),
+    )
+    tls_ca_file: Path | None = Field(
+        None,
+        description="PEM file of the CA that signed the scheduler's certificate",
+        validation_alias=AliasChoices("LORAFLEET_SCHEDULER_CA"),
+    )
+    reconnect_initial_backoff_s: float = Field(
+        0.5, gt=0, description="first reconnect backoff bound, seconds (full jitter)"
+    )
+    reconnect_max_backoff_s: float = Field(
+        30.0, gt=0, description="largest reconnect backoff bound, seconds"
+    )
+    welcome_timeout_s: float = Field(
+        30.0, gt=0, description="how long Hello may wait for Welcome before the attempt fails"
+    )
+    default_heartbeat_interval_s: float = Field(
+        10.0, gt=0, description="heartbeat interval until the scheduler's Welcome names one"
+    )
+    url_request_timeout_s: float = Field(
+        30.0, gt=0, description="how long to wait for upload URLs before asking again"
+    )
+
+    # Identity.
+    machine_id: str = Field(
+        "",
+        pattern=MACHINE_ID_PATTERN,
+        description="this machine's id, which bans attach to (empty: the hostname)",
+        validation_alias=AliasChoices("SALAD_MACHINE_ID", "LORAFLEET_MACHINE_ID"),
+    )
+    provider_instance_id: str = Field(
+        "",
+        description="the provider's instance id, what the scaler reallocates",
+        validation_alias=AliasChoices(
+            "SALAD_CONTAINER_GROUP_INSTANCE_ID",
+            "SALAD_INSTANCE_ID",
+            "LORAFLEET_PROVIDER_INSTANCE_ID",
+        ),
+    )
 
     # Qualification.
-    allow_cpu: bool = False
-    gpu_model: str | None = None
-    vram_mb: int | None = None
-    min_vram_mb: int = 0
-    min_free_memory_mb: int = 512
-    min_free_disk_mb: int = 1024
-    min_tflops: float = 0.0
+    allow_cpu: bool = Field(
+        False, description="a machine without CUDA passes qualification (tests, the demo)"
+    )
+    gpu_model: str | None = Field(None, description="report this GPU model, not the probed one")
+    vram_mb: int | None = Field(None, ge=0, description="report this VRAM, not the probed")
+    min_vram_mb: int = Field(0, ge=0, description="qualification floor: accelerator memory")
+    min_free_memory_mb: int = Field(512, ge=0, description="qualification floor: free memory")
+    min_free_disk_mb: int = Field(
+        1024, ge=0, description="qualification floor: free disk where models are cached"
+    )
+    min_tflops: float = Field(0.0, ge=0, description="qualification floor: measured TFLOPS")
 
     # Training (passed to the trainer's TrainingConfig).
-    device: DeviceChoice = "auto"
-    model_path: str | None = None
-    vae_path: str | None = None
-    model_cache_dir: str | None = None
-    local_files_only: bool = False
-    sample_steps: int = 30
-    sample_batch_size: int = 4
-    num_validation_images: int = 4
+    device: DeviceChoice = Field("auto", description="where to train (auto: CUDA if present)")
+    model_path: str | None = Field(
+        None, description="local diffusers directory replacing the spec's base_model"
+    )
+    vae_path: str | None = Field(
+        None, description="local diffusers directory replacing the spec's vae_model"
+    )
+    model_cache_dir: str | None = Field(
+        None, description="hub download cache (from_pretrained's cache_dir)"
+    )
+    local_files_only: bool = Field(False, description="never download model files")
+    sample_steps: int = Field(30, ge=1, description="inference steps of class/validation images")
+    sample_batch_size: int = Field(4, ge=1, description="images sampled at once")
+    progress_interval_s: float = Field(
+        1.0,
+        ge=0,
+        description="read the training loss (a device sync) at most this often for progress",
+    )
+    compile_model: bool = Field(
+        False,
+        description="torch.compile the UNet (and trained text encoders): a faster step after a "
+        "warm-up of seconds to minutes per job; pays off on long jobs",
+    )
 
-    # Connection behaviour.
-    reconnect_initial_backoff_s: float = 0.5
-    reconnect_max_backoff_s: float = 30.0
-    # How long Hello may wait for Welcome before the attempt counts as failed.
-    welcome_timeout_s: float = 30.0
-    # Used only until the scheduler's Welcome says otherwise.
-    default_heartbeat_interval_s: float = 10.0
-    # How long to wait for the scheduler to answer an UrlsRequested before asking again.
-    url_request_timeout_s: float = 30.0
+    # The simulated trainer (simulated.py): benchmarks and tests only, never the default.
+    simulate_step_s: float | None = Field(
+        None,
+        ge=0,
+        description="train with the simulated trainer at this many seconds per step instead of"
+        " SDXL (everything else stays real); unset: real training",
+    )
+    simulate_checkpoint_bytes: int = Field(
+        256 * 1024, ge=1024, description="simulated trainer: size of a checkpoint, bytes"
+    )
+    simulate_node_fault: bool = Field(
+        False, description="simulated trainer: fail every job as a node fault (a bad node)"
+    )
 
     # Lease behaviour.
-    # SIGTERM/Shutdown: the whole drain (stop, snapshot, upload, commit, Draining) within this.
-    drain_grace_s: float = 25.0
-    download_concurrency: int = 8
-    # Class and validation image uploads running at once.
-    artifact_upload_concurrency: int = 4
-    transfer: TransferConfig = field(default_factory=TransferConfig)
+    drain_grace_s: float = Field(
+        25.0,
+        gt=0,
+        description="bound on a graceful stop (SIGTERM, Shutdown): step, checkpoint, upload,"
+        " commit and Draining all within it",
+    )
+    download_concurrency: int = Field(8, ge=1, description="input downloads running at once")
+    artifact_upload_concurrency: int = Field(
+        4, ge=1, description="class and validation image uploads running at once"
+    )
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
 
-    def __post_init__(self) -> None:
-        if not self.worker_token:
-            raise ValueError("worker_token: required (--token or LORAFLEET_WORKER_TOKEN)")
-        if not self.scheduler_address or "/" in self.scheduler_address:
-            raise ValueError(
-                f"scheduler_address: expected host:port, got {self.scheduler_address!r}"
-            )
-        if not _MACHINE_ID.fullmatch(self.machine_id):
-            raise ValueError(
-                f"machine_id: must match [A-Za-z0-9_.:@-]{{1,128}}, got {self.machine_id!r}"
-            )
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device: expected auto, cpu or cuda, got {self.device!r}")
-        if not 0 < self.reconnect_initial_backoff_s <= self.reconnect_max_backoff_s:
-            raise ValueError("reconnect backoff: need 0 < initial <= max")
-        for name in (
-            "welcome_timeout_s",
-            "default_heartbeat_interval_s",
-            "url_request_timeout_s",
-            "drain_grace_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be positive")
-        for name in (
-            "download_concurrency",
-            "artifact_upload_concurrency",
-            "sample_steps",
-            "sample_batch_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be at least 1")
-        if self.vram_mb is not None and self.vram_mb < 0:
-            raise ValueError("vram_mb: must not be negative")
+    # The provider's metadata service (docs/DEPLOYING.md, "Worker options for the providers").
+    spot_notice: Literal["off", "ec2"] = Field(
+        "off",
+        description="watch for a spot interruption notice and drain when one comes: ec2 polls"
+        " the instance metadata (IMDSv2) and, with no machine id set, takes the instance id as"
+        " machine id",
+    )
+    spot_notice_interval_s: float = Field(
+        5.0, gt=0, le=30, description="how often to look for a spot interruption notice, seconds"
+    )
+    ec2_metadata_url: str = Field(
+        "http://169.254.169.254",
+        pattern=r"^https?://[^/\s]+$",
+        description="the EC2 instance metadata service (tests point it elsewhere)",
+    )
+    salad_reallocate: bool | None = Field(
+        None,
+        description="when the qualification probe fails, ask SaladCloud's instance metadata"
+        " service to move this container to another node (unset: on when running on SaladCloud,"
+        " i.e. SALAD_CONTAINER_GROUP_ID is set)",
+    )
+    salad_imds_url: str = Field(
+        "http://169.254.169.254",
+        pattern=r"^https?://[^/\s]+$",
+        description="SaladCloud's instance metadata service (tests point it elsewhere)",
+    )
+    # Set by SaladCloud in every container: its presence says the worker runs on SaladCloud.
+    salad_container_group_id: str = Field(
+        "",
+        description="SaladCloud's container group id, set by SaladCloud (not an option)",
+        validation_alias=AliasChoices("SALAD_CONTAINER_GROUP_ID"),
+    )
+
+    # Observability.
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        # Its own name per service: one environment (a host running a scheduler and a worker,
+        # `lorafleet up`'s children) must not make two processes claim one port.
+        validation_alias=AliasChoices("LORAFLEET_WORKER_METRICS_PORT"),
+        description="serve Prometheus metrics (/metrics) and a liveness probe (/healthz) on this"
+        " port, all interfaces (0: any free port); unset: neither",
+    )
+
+    @field_validator("machine_id", mode="before")
+    @classmethod
+    def _hostname_by_default(cls, value: Any) -> Any:
+        return value or default_machine_id()
+
+    @model_validator(mode="after")
+    def _backoff_bounds_in_order(self) -> Self:
+        if self.reconnect_initial_backoff_s > self.reconnect_max_backoff_s:
+            raise ValueError("reconnect_initial_backoff_s must not exceed reconnect_max_backoff_s")
+        return self
+
+    @model_validator(mode="after")
+    def _drain_fits_the_spot_notice(self) -> Self:
+        # The notice comes about 120 s ahead, seen up to one interval late; the drain must end
+        # before EC2 acts, with a margin for the process to exit.
+        if self.spot_notice == "ec2":
+            used = self.spot_notice_interval_s + self.drain_grace_s
+            if used > SPOT_NOTICE_BUDGET_S:
+                raise ValueError(
+                    f"with spot_notice ec2, spot_notice_interval_s + drain_grace_s ({used:g} s)"
+                    f" must fit in {SPOT_NOTICE_BUDGET_S:g} s of EC2's two-minute notice"
+                )
+        return self
+
+    @property
+    def machine_id_configured(self) -> bool:
+        """Whether the machine id was given (flag, variable, argument) rather than defaulted
+        to the hostname. A copy made by `with_changes` counts as given."""
+        return "machine_id" in self.model_fields_set
+
+    @property
+    def salad_reallocate_enabled(self) -> bool:
+        """`salad_reallocate`, or when unset, whether the worker runs on SaladCloud (which sets
+        SALAD_CONTAINER_GROUP_ID, with SALAD_MACHINE_ID, in every container)."""
+        if self.salad_reallocate is not None:
+            return self.salad_reallocate
+        return bool(self.salad_container_group_id)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> WorkerConfig:
-        """Reads the variables in the module docstring; keyword overrides win (None = unset)."""
-        e = os.environ if env is None else env
-        values: dict[str, object] = {
-            "worker_token": e.get("LORAFLEET_WORKER_TOKEN", ""),
-            "scheduler_address": e.get("LORAFLEET_SCHEDULER", "") or DEFAULT_SCHEDULER,
-            "tls": _flag(e.get("LORAFLEET_SCHEDULER_TLS")),
-            "allow_cpu": _flag(e.get("LORAFLEET_ALLOW_CPU")),
-            "local_files_only": _flag(e.get("LORAFLEET_LOCAL_FILES_ONLY")),
-            "provider_instance_id": _first(
-                e,
-                "SALAD_CONTAINER_GROUP_INSTANCE_ID",
-                "SALAD_INSTANCE_ID",
-                "LORAFLEET_PROVIDER_INSTANCE_ID",
-            ),
-        }
-        machine_id = _first(e, "SALAD_MACHINE_ID", "LORAFLEET_MACHINE_ID")
-        if machine_id:
-            values["machine_id"] = machine_id
-        if ca := e.get("LORAFLEET_SCHEDULER_CA"):
-            values["tls_ca_file"] = Path(ca)
-        for name, variable in (
-            ("gpu_model", "LORAFLEET_GPU_MODEL"),
-            ("device", "LORAFLEET_DEVICE"),
-            ("model_path", "LORAFLEET_MODEL_PATH"),
-            ("vae_path", "LORAFLEET_VAE_PATH"),
-            ("model_cache_dir", "LORAFLEET_MODEL_CACHE_DIR"),
-        ):
-            if value := e.get(variable):
-                values[name] = value
-        for name, variable, kind in (
-            ("vram_mb", "LORAFLEET_VRAM_MB", int),
-            ("min_free_disk_mb", "LORAFLEET_MIN_FREE_DISK_MB", int),
-            ("min_free_memory_mb", "LORAFLEET_MIN_FREE_MEMORY_MB", int),
-            ("min_tflops", "LORAFLEET_MIN_TFLOPS", float),
-            ("drain_grace_s", "LORAFLEET_DRAIN_GRACE_S", float),
-        ):
-            if raw := e.get(variable):
-                try:
-                    values[name] = kind(raw)
-                except ValueError:
-                    raise ValueError(f"{variable}: not a number: {raw!r}") from None
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerConfig:
+        """The environment (`os.environ` by default) alone, then `overrides` (None = unset).
 
-    def with_changes(self, **changes: object) -> WorkerConfig:
-        """A copy with some fields replaced (validated again)."""
-        return replace(self, **changes)  # type: ignore[arg-type]
+        Raises `ConfigError` naming each bad variable."""
+        return load(cls, env=os.environ if env is None else env, **overrides)
+
+    def with_changes(self, **changes: Any) -> WorkerConfig:
+        """A copy with some fields replaced, validated again (`ConfigError` if bad)."""
+        try:
+            return self.model_validate({**dict(self), **changes})
+        except ValidationError as exc:
+            raise ConfigError(describe(type(self), exc)) from None

@@ -7,17 +7,19 @@
 2. Resume: the grant lists committed checkpoints newest first. Each is downloaded into memory,
    its sha256 checked against the ledger's and its blob verified; a bad one is reported with a
    `Notice` and the next older one tried. No usable checkpoint: start from step 0.
-3. Train: `Trainer.run` blocks, so it runs in a worker thread (`asyncio.to_thread`) and talks
-   back only through hooks that return at once: progress goes into a latest-value-wins slot
-   the agent's heartbeat reads, snapshots and generated images are handed to the event loop.
+3. Train: `Trainer.run` blocks, so it runs on the agent's training thread (`TrainingThread`)
+   and talks back only through hooks that return at once: progress goes into a
+   latest-value-wins slot the agent's heartbeat reads, snapshots and generated images are
+   handed to the event loop.
 4. Checkpoints: the training thread only takes a host-memory snapshot. Serialising it (in a
    thread), asking the scheduler for the PUT URL, uploading and `CheckpointCommitted` run in the
    background while training continues: one upload at a time and one snapshot waiting; a newer
    snapshot replaces the waiting one. No checkpoint byte touches local disk.
 5. The end: the LoRA goes to `urls.result_upload` and `JobSucceeded` follows; a failure sends
    `JobFailed` with the trainer's class (input, node, internal). A revocation or rejection
-   (`cancel`) stops the thread at its next step boundary and sends nothing more; a drain stops
-   it there with a snapshot, which is uploaded and committed before `run()` returns.
+   (`cancel`) stops the run at its next step boundary and sends nothing more; a drain stops
+   it there with a snapshot, which is uploaded and committed before `run()` returns. `run()`
+   returns once the run has left the training thread: the agent says Ready when it is free.
 
 The runner reaches the scheduler only through a `LeaseLink`, which the agent implements on top
 of its current stream and which waits while the agent reconnects.
@@ -28,25 +30,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import hashlib
 import math
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import structlog
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from lorafleet.errors import StorageError
+from lorafleet.core.errors import StorageError
+from lorafleet.core.model import result_formats
+from lorafleet.core.serde import FAILURE_CLASSES, spec_from_proto
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
-from lorafleet.jobs.v1 import jobs_pb2 as pb
-from lorafleet.serde import spec_from_proto
+from lorafleet.jobs.v1 import jobs_pb2 as jpb
+from lorafleet.worker import metrics
 from lorafleet.worker.config import WorkerConfig
 from lorafleet.worker.training import (
     CorruptCheckpoint,
-    FailureClass,
     Finished,
     Stopped,
     StopReason,
@@ -57,12 +60,14 @@ from lorafleet.worker.training import (
     TrainingImage,
     TrainingOutcome,
     TrainingSnapshot,
+    checkpoint_sha256,
     classify_exception,
     images_from_files,
     load_checkpoint,
     serialize_checkpoint,
 )
-from lorafleet.worker.transfer import TransferClient
+from lorafleet.worker.training_thread import TrainingThread
+from lorafleet.worker.transfer import TransferClient, content_md5
 
 log = structlog.get_logger(__name__)
 tracer = trace.get_tracer("lorafleet.worker")
@@ -70,11 +75,6 @@ tracer = trace.get_tracer("lorafleet.worker")
 _MIB = 1024 * 1024
 # Attempts at getting an upload URL before giving up on that upload.
 _URL_REQUEST_ATTEMPTS = 3
-_FAILURE_CLASSES: dict[FailureClass, pb.FailureClass.ValueType] = {
-    "node": pb.FAILURE_CLASS_NODE,
-    "input": pb.FAILURE_CLASS_INPUT,
-    "internal": pb.FAILURE_CLASS_INTERNAL,
-}
 # What JobFailed.message may carry (the scheduler keeps 4000 characters).
 _MAX_MESSAGE_CHARS = 4000
 
@@ -178,8 +178,16 @@ class CheckpointPipeline:
     reach the ledger in step order.
     """
 
-    def __init__(self, upload: Callable[[TrainingSnapshot], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        upload: Callable[[TrainingSnapshot], Awaitable[None]],
+        on_failure: Callable[[int, str], Awaitable[None]],
+    ) -> None:
         self._upload = upload
+        # Told of every checkpoint that could not be stored: a worker that cannot checkpoint
+        # says so (a Notice on the job's timeline), it never trains on in silence.
+        self._on_failure = on_failure
+        self.failures = 0
         self._waiting: TrainingSnapshot | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -216,8 +224,19 @@ class CheckpointPipeline:
                 except StorageError as exc:
                     # One lost checkpoint costs one interval of work; the next one may succeed.
                     log.warning("checkpoint upload failed", step=snapshot.step, error=str(exc))
-                except Exception:
+                    await self._failed(snapshot.step, str(exc))
+                except Exception as exc:
                     log.exception("checkpoint upload failed", step=snapshot.step)
+                    await self._failed(snapshot.step, f"{type(exc).__name__}: {exc}")
+
+    async def _failed(self, step: int, error: str) -> None:
+        self.failures += 1
+        try:
+            await self._on_failure(step, error)
+        except LeaseLost:
+            self._closed = True
+        except Exception:
+            log.exception("could not report a failed checkpoint", step=step)
 
     async def close(self) -> None:
         """Drops the waiting snapshot and cancels a running upload; idempotent."""
@@ -233,21 +252,30 @@ def slot_key(slot: fpb.UploadSlot) -> SlotKey:
     return (int(slot.kind), int(slot.step), int(slot.index))
 
 
-def _serialize(snapshot: TrainingSnapshot) -> tuple[bytes, str]:
-    data = serialize_checkpoint(snapshot)
-    return data, hashlib.sha256(data).hexdigest()
+@dataclass(frozen=True, kw_only=True)
+class _Blob:
+    """Bytes to store, with the two digests their upload needs, computed once."""
+
+    data: bytes = field(repr=False)
+    sha256: str  # hex: announced to the scheduler, recorded by the ledger
+    md5: str  # base64: the store checks the body against it (Content-MD5)
+
+
+def _blob(data: bytes) -> _Blob:
+    """Both digests in one call; it reads all of `data`, so run it off the event loop."""
+    return _Blob(data=data, sha256=checkpoint_sha256(data), md5=content_md5(data))
+
+
+def _serialize(snapshot: TrainingSnapshot) -> _Blob:
+    return _blob(serialize_checkpoint(snapshot))
 
 
 def _verified_snapshot(data: bytes, expected_sha256: str) -> TrainingSnapshot:
     """Checks the ledger's digest, then parses (which checks the blob's own digest)."""
-    actual = hashlib.sha256(data).hexdigest()
+    actual = checkpoint_sha256(data)
     if actual != expected_sha256:
         raise CorruptCheckpoint(f"sha256 {actual[:12]}... does not match the ledger's")
     return load_checkpoint(data)
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _gpu_memory_mb() -> int:
@@ -282,14 +310,19 @@ class LeaseRunner:
         grant: fpb.LeaseGranted,
         link: LeaseLink,
         transfer: TransferClient,
+        training: TrainingThread,
         config: WorkerConfig,
         trainer_factory: TrainerFactory = Trainer,
     ) -> None:
+        """`training` is the agent's training thread, which runs the lease's `Trainer.run`."""
         self.grant = grant
         self.ref = fpb.LeaseRef(lease_id=grant.lease.lease_id, epoch=grant.lease.epoch)
         self.job_id = grant.lease.job_id
         self._link = link
         self._transfer = transfer
+        self._training = training
+        # The run submitted to the training thread, once there is one.
+        self._running_training: asyncio.Future[TrainingOutcome] | None = None
         self._config = config
         self._trainer_factory = trainer_factory
         self._urls = fpb.JobUrls()
@@ -300,7 +333,9 @@ class LeaseRunner:
         newest = grant.urls.checkpoints[0].checkpoint.step if grant.urls.checkpoints else 0
         self.progress = ProgressSlot(ProgressReport(step=newest))
         self._url_waiters: dict[SlotKey, list[asyncio.Future[fpb.UploadUrl]]] = {}
-        self._pipeline = CheckpointPipeline(self._upload_checkpoint)
+        # Replaced (and the old one set) by `reconnected()`.
+        self._stream_changed = asyncio.Event()
+        self._pipeline = CheckpointPipeline(self._upload_checkpoint, self._checkpoint_failed)
         self._artifact_tasks: set[asyncio.Task[bool]] = set()
         self._class_uploads: list[asyncio.Task[bool]] = []
         self._artifact_gate = asyncio.Semaphore(config.artifact_upload_concurrency)
@@ -363,13 +398,20 @@ class LeaseRunner:
         )
         if mode in (_Mode.CANCELLED, _Mode.ABORTED) and self._work is not None:
             # Interrupts downloads and uploads now; the training thread (if running) is told
-            # through should_stop and waited for by _train.
+            # through should_stop, and run() waits for it to leave.
             self._work.cancel()
         if mode is _Mode.CANCELLED:
             # Background uploads waiting for a URL will never get one.
             for waiters in self._url_waiters.values():
                 for waiter in waiters:
                     waiter.cancel()
+
+    def reconnected(self) -> None:
+        """The stream was replaced and the lease resumed: requests sent on the old stream may
+        have been lost with it, so the ones still waiting are asked again now (not after
+        `url_request_timeout_s`, while every checkpoint would be skipped)."""
+        changed, self._stream_changed = self._stream_changed, asyncio.Event()
+        changed.set()
 
     def urls_renewed(self, urls: fpb.JobUrls) -> None:
         """An UrlsRenewed for this lease: answers to our requests, or a full renewal."""
@@ -400,7 +442,10 @@ class LeaseRunner:
         }
         with (
             structlog.contextvars.bound_contextvars(
-                job_id=self.job_id, lease_id=self.ref.lease_id, machine_id=self._config.machine_id
+                job_id=self.job_id,
+                lease_id=self.ref.lease_id,
+                epoch=self.ref.epoch,
+                machine_id=self._config.machine_id,
             ),
             tracer.start_as_current_span(
                 "worker.lease", context=context, attributes=attributes
@@ -418,7 +463,11 @@ class LeaseRunner:
                 result = LeaseResult.DRAINED if drained else LeaseResult.STOPPED
             finally:
                 await self._close_background()
+            # The lease is over once its run has left the training thread (a stopped run sees
+            # its stop request at its next step boundary); the agent says Ready after that.
+            await self._training_stopped()
             self.result = result
+            metrics.LEASES.labels(result.value).inc()
             span.set_attribute("lorafleet.lease_result", result.value)
             self._log.info("lease ended", result=result.value, step=self.progress.latest().step)
             return result
@@ -460,7 +509,8 @@ class LeaseRunner:
             device=self._config.device,
             sample_steps=self._config.sample_steps,
             sample_batch_size=self._config.sample_batch_size,
-            num_validation_images=self._config.num_validation_images,
+            compile_model=self._config.compile_model,
+            progress_interval_s=self._config.progress_interval_s,
         )
         instance, class_images = await self._download_inputs(spec.with_prior_preservation)
         candidates = list(self._urls.checkpoints)
@@ -546,16 +596,16 @@ class LeaseRunner:
             should_stop=self._should_stop,
             on_checkpoint=self._on_checkpoint,
             on_class_images=self._on_class_images,
-            on_validation_images=self._on_validation_images,
         )
         start = resume.step if resume is not None else 0
         with tracer.start_as_current_span(
             "worker.train", attributes={"lorafleet.start_step": start}
         ):
-            # to_thread copies the context: spans the trainer opens are children of this one.
             self._phase = _Phase.TRAINING
-            thread = asyncio.ensure_future(
-                asyncio.to_thread(
+            # The agent's training thread runs it in a copy of this context: spans the trainer
+            # opens are children of this one.
+            running = asyncio.wrap_future(
+                self._training.submit(
                     trainer.run,
                     instance_images=instance,
                     class_images=class_images,
@@ -563,31 +613,44 @@ class LeaseRunner:
                     hooks=hooks,
                 )
             )
+            self._running_training = running
             try:
-                return await asyncio.shield(thread)
+                return await asyncio.shield(running)
             except asyncio.CancelledError:
                 if self._mode in (_Mode.TRAINING, _Mode.DRAINING):
                     self._mode = _Mode.ABORTED
-                # A thread cannot be interrupted: it sees should_stop() at its next step boundary.
-                # Wait for it, because accelerate keeps process-wide state and two runs must
-                # never overlap in one process.
-                while not thread.done():
-                    try:
-                        await asyncio.wait([thread])
-                    except asyncio.CancelledError:
-                        continue
-                if not thread.cancelled() and thread.exception() is not None:
-                    # A run failing while being stopped is not the job's failure; retrieved
-                    # here so it is logged once, as what it is.
-                    self._log.info(
-                        "training ended with an error while stopping",
-                        error=str(thread.exception())[:500],
-                    )
+                # A thread cannot be interrupted: it sees should_stop() at its next step
+                # boundary; run() waits for that before the lease ends.
                 raise
+
+    async def _training_stopped(self) -> None:
+        """Waits until this lease's run has left the training thread. Not shielded: if the
+        agent itself is cancelled (the process is exiting), it stops waiting."""
+        running = self._running_training
+        if running is None:
+            return
+        if not running.done():
+            await asyncio.wait([running])
+        if (
+            not running.cancelled()
+            and running.exception() is not None
+            and self._mode
+            in (
+                _Mode.CANCELLED,
+                _Mode.ABORTED,
+            )
+        ):
+            # A run failing while being stopped is not the job's failure: logged as what it is.
+            self._log.info(
+                "training ended with an error while stopping",
+                error=str(running.exception())[:500],
+            )
 
     # Hooks: called on the training thread, each returns at once ------------------------------
 
     def _on_progress(self, step: int, loss: float, lr: float, seconds_per_step: float) -> None:
+        if seconds_per_step > 0 and math.isfinite(seconds_per_step):
+            metrics.STEP_SECONDS.observe(seconds_per_step)
         self.progress.publish(
             ProgressReport(
                 step=step,
@@ -620,9 +683,6 @@ class LeaseRunner:
     def _on_class_images(self, batch: list[tuple[int, bytes]]) -> None:
         self._to_loop(self._store_class_images, batch)
 
-    def _on_validation_images(self, step: int, images: list[bytes]) -> None:
-        self._to_loop(self._store_validation_images, step, images)
-
     # Uploads (event loop) -------------------------------------------------------------------------
 
     def _offer_checkpoint(self, snapshot: TrainingSnapshot) -> None:
@@ -635,13 +695,6 @@ class LeaseRunner:
             for index, png in batch
         ]
         self._class_uploads.append(self._spawn_artifacts(slots, "class images"))
-
-    def _store_validation_images(self, step: int, images: list[bytes]) -> None:
-        slots = [
-            (fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_VALIDATION_IMAGE, step=step, index=i), png)
-            for i, png in enumerate(images)
-        ]
-        self._spawn_artifacts(slots, "validation images")
 
     def _spawn_artifacts(
         self, items: list[tuple[fpb.UploadSlot, bytes]], what: str
@@ -679,11 +732,12 @@ class LeaseRunner:
 
     async def _upload_checkpoint(self, snapshot: TrainingSnapshot) -> None:
         """Serialise (off the loop), get the URL, PUT, announce. Raises on failure."""
+        started = time.monotonic()
         with tracer.start_as_current_span(
             "worker.checkpoint", attributes={"lorafleet.step": snapshot.step}
         ) as span:
-            data, sha256 = await asyncio.to_thread(_serialize, snapshot)
-            span.set_attribute("lorafleet.size_bytes", len(data))
+            blob = await asyncio.to_thread(_serialize, snapshot)
+            span.set_attribute("lorafleet.size_bytes", len(blob.data))
             if not await self._class_images_stored():
                 self._log.warning(
                     "checkpoint not committed: generated class images could not be stored",
@@ -692,25 +746,31 @@ class LeaseRunner:
                 return
             slot = fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_CHECKPOINT, step=snapshot.step)
             (url,) = await self._upload_urls([slot])
-            await self._transfer.upload(url.url, data, sha256=sha256)
+            await self._transfer.upload(url.url, blob.data, md5=blob.md5)
             await self._send(
                 fpb.ConnectRequest(
                     checkpoint_committed=fpb.CheckpointCommitted(
                         lease=self.ref,
                         step=snapshot.step,
                         key=url.key,
-                        size_bytes=len(data),
-                        sha256=sha256,
+                        size_bytes=len(blob.data),
+                        sha256=blob.sha256,
                     )
                 )
             )
         self.committed_steps.append(snapshot.step)
-        self._log.info("checkpoint committed", step=snapshot.step, key=url.key, bytes=len(data))
+        metrics.CHECKPOINTS.inc()
+        metrics.CHECKPOINT_BYTES.inc(len(blob.data))
+        metrics.CHECKPOINT_SECONDS.observe(time.monotonic() - started)
+        self._log.info(
+            "checkpoint committed", step=snapshot.step, key=url.key, bytes=len(blob.data)
+        )
 
     async def _upload_urls(self, slots: list[fpb.UploadSlot]) -> list[fpb.UploadUrl]:
         """Asks the scheduler for PUT URLs (UrlsRequested) and waits for its UrlsRenewed.
 
-        An answer lost to a reconnect is asked for again after `url_request_timeout_s`.
+        Asked again at once after a reconnect (the answer may have been lost with the old
+        stream), and after `url_request_timeout_s` without an answer.
         """
         loop = asyncio.get_running_loop()
         keys = [slot_key(slot) for slot in slots]
@@ -718,17 +778,27 @@ class LeaseRunner:
             waiters = {key: loop.create_future() for key in keys}
             for key, waiter in waiters.items():
                 self._url_waiters.setdefault(key, []).append(waiter)
+            changed: asyncio.Future[Any] = asyncio.ensure_future(self._stream_changed.wait())
+            answers: asyncio.Future[Any] = asyncio.gather(*(waiters[key] for key in keys))
             try:
                 await self._send(
                     fpb.ConnectRequest(
                         urls_requested=fpb.UrlsRequested(lease=self.ref, slots=slots)
                     )
                 )
-                async with asyncio.timeout(self._config.url_request_timeout_s):
-                    return [await waiters[key] for key in keys]
-            except TimeoutError:
-                self._log.warning("no answer to UrlsRequested; asking again", attempt=attempt)
+                done, _ = await asyncio.wait(
+                    [answers, changed],
+                    timeout=self._config.url_request_timeout_s,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if answers in done:
+                    return list(answers.result())
+                if changed in done:
+                    self._log.info("asking again for URLs after a reconnect", attempt=attempt)
+                else:
+                    self._log.warning("no answer to UrlsRequested; asking again", attempt=attempt)
             finally:
+                changed.cancel()
                 for key, waiter in waiters.items():
                     pending = self._url_waiters.get(key, [])
                     if waiter in pending:
@@ -737,12 +807,18 @@ class LeaseRunner:
                         self._url_waiters.pop(key, None)
                     if not waiter.done():
                         waiter.cancel()
+                # Collects the cancellation (or the answers) so none is left unretrieved.
+                await asyncio.gather(answers, return_exceptions=True)
         raise StorageError("the scheduler did not answer UrlsRequested", retryable=True)
 
     async def _send(self, message: fpb.ConnectRequest) -> None:
         if self._mode is _Mode.CANCELLED:
             raise LeaseLost("the lease was revoked")
         await self._link.send(message)
+
+    async def _checkpoint_failed(self, step: int, error: str) -> None:
+        metrics.CHECKPOINT_FAILURES.inc()
+        await self._notice(f"checkpoint at step {step} could not be stored: {error[:300]}")
 
     async def _notice(self, message: str) -> None:
         self._log.warning("notice", message=message)
@@ -772,40 +848,64 @@ class LeaseRunner:
             except Exception:
                 # The job is re-queued from its last committed checkpoint all the same.
                 self._log.exception("drain checkpoint not stored", step=outcome.snapshot.step)
-        # Validation and class images still uploading belong to the job too (small; each is
+        # Class images still uploading belong to the job too (small; each is
         # bounded by the transfer deadline, the whole drain by its grace period).
         await asyncio.gather(*list(self._artifact_tasks), return_exceptions=True)
         return LeaseResult.DRAINED
 
     async def _succeed(self, outcome: Finished) -> LeaseResult:
         await self._pipeline.close()  # the result supersedes any checkpoint still pending
-        # Validation images of the last steps belong to the job: store them before the lease
-        # ends (their URLs need a live lease). Each upload is bounded by the transfer deadline.
+        # Class images still uploading belong to the job: store them before the lease ends
+        # (their URLs need a live lease). Each upload is bounded by the transfer deadline.
         await asyncio.gather(*list(self._artifact_tasks), return_exceptions=True)
-        data = outcome.lora_weights
-        sha256 = await asyncio.to_thread(_digest, data)
+        # The main file (the diffusers one unless output_format is kohya) at result_upload;
+        # with output_format both the kohya file at kohya_result_upload.
+        main, *others = result_formats(spec_from_proto(self.grant.spec).output_format)
+        files = {"diffusers": outcome.lora_weights, "kohya": outcome.kohya_weights}
+        main_data = files[main]
+        if main_data is None or (others and outcome.kohya_weights is None):
+            raise RuntimeError(f"the trainer wrote no {main} file for output_format")
+        blob = await asyncio.to_thread(_blob, main_data)
         target = self._urls.result_upload
+        kohya = None
+        if others:
+            assert outcome.kohya_weights is not None
+            kohya_blob = await asyncio.to_thread(_blob, outcome.kohya_weights)
+            kohya_target = self._urls.kohya_result_upload
+            with tracer.start_as_current_span(
+                "worker.upload_result",
+                attributes={
+                    "lorafleet.size_bytes": len(kohya_blob.data),
+                    "lorafleet.format": "kohya",
+                },
+            ):
+                await self._transfer.upload(kohya_target.url, kohya_blob.data, md5=kohya_blob.md5)
+            kohya = jpb.JobResult(
+                key=kohya_target.key, size_bytes=len(kohya_blob.data), sha256=kohya_blob.sha256
+            )
         with tracer.start_as_current_span(
-            "worker.upload_result", attributes={"lorafleet.size_bytes": len(data)}
+            "worker.upload_result", attributes={"lorafleet.size_bytes": len(blob.data)}
         ):
-            await self._transfer.upload(target.url, data, sha256=sha256)
+            await self._transfer.upload(target.url, blob.data, md5=blob.md5)
         message = fpb.ConnectRequest(
             job_succeeded=fpb.JobSucceeded(
                 lease=self.ref,
                 key=target.key,
-                size_bytes=len(data),
-                sha256=sha256,
+                size_bytes=len(blob.data),
+                sha256=blob.sha256,
                 step=outcome.step,
                 loss=outcome.loss,
+                kohya=kohya,
             )
         )
         await self._send(message)
         self.terminal_message = message
-        self._log.info("job succeeded", step=outcome.step, key=target.key, sha256=sha256)
+        self._log.info("job succeeded", step=outcome.step, key=target.key, sha256=blob.sha256)
         return LeaseResult.SUCCEEDED
 
     async def _fail(self, exc: Exception) -> LeaseResult:
         failure_class = classify_exception(exc)
+        metrics.ATTEMPT_FAILURES.labels(str(failure_class)).inc()
         text = failure_message(exc)
         self._log.warning(
             "job attempt failed", failure_class=failure_class, error=text, exc_info=exc
@@ -813,7 +913,7 @@ class LeaseRunner:
         trace.get_current_span().record_exception(exc)
         message = fpb.ConnectRequest(
             job_failed=fpb.JobFailed(
-                lease=self.ref, failure_class=_FAILURE_CLASSES[failure_class], message=text
+                lease=self.ref, failure_class=FAILURE_CLASSES[failure_class], message=text
             )
         )
         await self._send(message)

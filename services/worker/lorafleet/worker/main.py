@@ -1,8 +1,11 @@
 """`lorafleet worker` / `python -m lorafleet.worker`: run one worker until it is told to stop.
 
-Flags override the environment (`config.py` lists the variables). The first SIGTERM or SIGINT
+Every option of `WorkerConfig` (config.py) is a flag and an environment variable; a flag wins
+(`--help` lists them with their variables and defaults). The first SIGTERM or SIGINT
 drains: the current step finishes, a checkpoint is committed, the job is re-queued, and the
-process exits 0. A second signal stops at once.
+process exits 0. A second signal stops at once. With `--spot-notice ec2`, EC2's spot
+interruption notice drains the same way (agent.py), and a worker given no machine id takes its
+instance id from the metadata service first (spot_notice.py).
 
 Exit codes: 0 stopped or drained; 1 the qualification probe failed (`--probe-only`);
 2 bad configuration or credentials the scheduler refuses.
@@ -16,16 +19,19 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
-from pathlib import Path
 
 import structlog
 
-from lorafleet.telemetry import configure_logging, configure_tracing
-from lorafleet.worker.agent import Agent, AgentError
-from lorafleet.worker.config import DEFAULT_SCHEDULER, WorkerConfig
+from lorafleet.core.settings import ConfigError, add_flags, env_names, load
+from lorafleet.core.telemetry import MetricsServer, configure_logging, configure_tracing
+from lorafleet.worker.agent import Agent, AgentError, State
+from lorafleet.worker.config import WorkerConfig
 from lorafleet.worker.qualify import probe
+from lorafleet.worker.simulated import SimulatedTrainer, simulated_trainer_factory
+from lorafleet.worker.spot_notice import with_ec2_identity
+from lorafleet.worker.training import TrainingConfig
 
 log = structlog.get_logger(__name__)
 
@@ -33,40 +39,18 @@ log = structlog.get_logger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lorafleet worker",
-        description="Connect to a lorafleet scheduler and train the jobs it leases.",
+        description="Connect to a lorafleet scheduler and train the jobs it leases. Every"
+        " option also reads the environment variable named in its help; a flag wins.",
     )
+    add_flags(parser, WorkerConfig)
+    # The process's own flags, not part of the worker's configuration.
     add = parser.add_argument
-    add("--scheduler", help=f"host:port [LORAFLEET_SCHEDULER, default {DEFAULT_SCHEDULER}]")
-    add("--token", help="worker token [LORAFLEET_WORKER_TOKEN; prefer the variable]")
-    add("--tls", action="store_true", default=None, help="TLS [LORAFLEET_SCHEDULER_TLS]")
-    add("--tls-ca-file", help="CA bundle (PEM) for the scheduler [LORAFLEET_SCHEDULER_CA]")
-    add("--machine-id", help="[SALAD_MACHINE_ID, LORAFLEET_MACHINE_ID, default hostname]")
-    add("--provider-instance-id", help="[SALAD_CONTAINER_GROUP_INSTANCE_ID, SALAD_INSTANCE_ID]")
+    add("--log-level", help="log level [LORAFLEET_LOG_LEVEL; default INFO]")
     add(
-        "--allow-cpu",
-        action="store_true",
-        default=None,
-        help="qualify without CUDA (tests, demo) [LORAFLEET_ALLOW_CPU=1]",
+        "--log-format",
+        choices=("json", "console"),
+        help="log format [LORAFLEET_LOG_FORMAT; default json]",
     )
-    add("--device", choices=("auto", "cpu", "cuda"), help="[LORAFLEET_DEVICE, default auto]")
-    add("--model-path", help="local diffusers model replacing the spec's base_model")
-    add("--vae-path", help="local VAE replacing the spec's vae_model")
-    add("--model-cache-dir", help="hub download cache [LORAFLEET_MODEL_CACHE_DIR]")
-    add(
-        "--local-files-only",
-        action="store_true",
-        default=None,
-        help="never download models [LORAFLEET_LOCAL_FILES_ONLY=1]",
-    )
-    add("--gpu-model", help="report this GPU model instead of the probed one")
-    add("--vram-mb", type=int, help="report this much VRAM instead of the probed amount")
-    add("--min-free-disk-mb", type=int, help="qualification floor (default 1024)")
-    add("--min-free-memory-mb", type=int, help="qualification floor (default 512)")
-    add("--min-tflops", type=float, help="qualification floor (default 0)")
-    add("--sample-steps", type=int, help="inference steps for class/validation images")
-    add("--drain-grace-s", type=float, help="bound on a graceful stop (default 25)")
-    add("--log-level", help="[LORAFLEET_LOG_LEVEL, default INFO]")
-    add("--log-format", choices=("json", "console"), help="[LORAFLEET_LOG_FORMAT, default json]")
     add(
         "--probe-only",
         action="store_true",
@@ -76,37 +60,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> WorkerConfig:
-    """Environment first, flags on top."""
-    overrides: dict[str, object] = {
-        "scheduler_address": args.scheduler,
-        "worker_token": args.token,
-        "tls": args.tls,
-        "tls_ca_file": Path(args.tls_ca_file) if args.tls_ca_file else None,
-        "machine_id": args.machine_id,
-        "provider_instance_id": args.provider_instance_id,
-        "allow_cpu": args.allow_cpu,
-        "device": args.device,
-        "model_path": args.model_path,
-        "vae_path": args.vae_path,
-        "model_cache_dir": args.model_cache_dir,
-        "local_files_only": args.local_files_only,
-        "gpu_model": args.gpu_model,
-        "vram_mb": args.vram_mb,
-        "min_free_disk_mb": args.min_free_disk_mb,
-        "min_free_memory_mb": args.min_free_memory_mb,
-        "min_tflops": args.min_tflops,
-        "sample_steps": args.sample_steps,
-        "drain_grace_s": args.drain_grace_s,
-    }
-    if args.probe_only and not (args.token or env.get("LORAFLEET_WORKER_TOKEN")):
-        overrides["worker_token"] = "unused-by-the-probe"
-    return WorkerConfig.from_env(env, **overrides)
+    """The environment, the flags on top; raises `ConfigError`."""
+    token: str | None = None
+    if args.probe_only and args.worker_token is None:
+        variables = env_names("worker_token", WorkerConfig.model_fields["worker_token"])
+        if not any(env.get(name, "").strip() for name in variables):
+            token = "unused-by-the-probe"
+    return load(WorkerConfig, args, env=env, worker_token=token)
 
 
-async def serve(config: WorkerConfig) -> tuple[int, Agent]:
-    """Runs an agent with signal handling until it stops; (exit code, the agent)."""
+def simulated_factory(
+    config: WorkerConfig,
+) -> Callable[[TrainingConfig], SimulatedTrainer] | None:
+    """The simulated trainer when `--simulate-step-s` is set; None: the real one."""
+    if config.simulate_step_s is None:
+        return None
+    log.warning("simulated trainer: jobs are not really trained", step_s=config.simulate_step_s)
+    return simulated_trainer_factory(
+        step_s=config.simulate_step_s,
+        checkpoint_bytes=config.simulate_checkpoint_bytes,
+        node_fault=config.simulate_node_fault,
+    )
+
+
+async def serve(config: WorkerConfig) -> int:
+    """Runs an agent with signal handling until it stops; the exit code."""
     loop = asyncio.get_running_loop()
-    agent = Agent(config)
+    try:
+        config = await with_ec2_identity(config)
+    except ConfigError as exc:
+        log.error("worker cannot run", error=str(exc))
+        return 2
+    simulated = simulated_factory(config)
+    # The Agent's own default trainer unless simulating (None is not passed: it would replace
+    # a default given by whoever made `Agent` callable here, e.g. a test's partial).
+    agent = Agent(config) if simulated is None else Agent(config, trainer_factory=simulated)
     signals_seen = 0
     shutdowns: set[asyncio.Task[None]] = set()
 
@@ -128,16 +116,51 @@ async def serve(config: WorkerConfig) -> tuple[int, Agent]:
             installed.append(sig)
         except (NotImplementedError, RuntimeError):  # not the main thread, or Windows
             pass
+    endpoint: MetricsServer | None = None
     try:
+        if config.metrics_port is not None:
+            endpoint = MetricsServer(port=config.metrics_port, health=lambda: liveness(agent))
+            try:
+                await endpoint.start()
+            except OSError as exc:
+                log.error("worker cannot run", error=str(exc))
+                return 2
+            log.info("metrics and /healthz served", port=endpoint.port)
         async with agent:
             await agent.run()
-        return 0, agent
+        return 0
     except AgentError as exc:
         log.error("worker cannot run", error=str(exc))
-        return 2, agent
+        return 2
     finally:
+        if endpoint is not None:
+            await endpoint.close()
         for sig in installed:
             loop.remove_signal_handler(sig)
+
+
+def liveness(agent: Agent) -> tuple[bool, dict[str, object]]:
+    """`/healthz`: alive while the agent has not stopped. The answer comes from the worker's
+    event loop, so a wedged loop (no heartbeats either) fails the probe by timing out."""
+    return agent.state is not State.STOPPED, agent.describe()
+
+
+# Set by a parent that supervises the worker (the local provider of `lorafleet up`): its pid.
+PARENT_PID_ENV = "LORAFLEET_PARENT_PID"
+
+
+def stop_with_parent(environ: Mapping[str, str]) -> None:
+    """A supervised worker gets SIGTERM (and drains) when its parent dies, however it dies: a
+    `lorafleet up` killed with -9 leaves no orphan worker training on (Linux only)."""
+    parent = environ.get(PARENT_PID_ENV, "")
+    if not parent.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != int(parent):  # the parent died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,25 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args, os.environ)
-    except ValueError as exc:
+    except ConfigError as exc:
         parser.print_usage(sys.stderr)
         print(f"lorafleet worker: error: {exc}", file=sys.stderr)
         return 2
     # Process-wide setup, only once the configuration is known to be good.
+    stop_with_parent(os.environ)
     configure_logging(level=args.log_level, fmt=args.log_format)
     configure_tracing("lorafleet-worker")
     if args.probe_only:
         result = probe(config)
         print(json.dumps(asdict(result), default=dict, indent=2))
         return 0 if result.passed else 1
-    with asyncio.Runner() as runner:
-        code, agent = runner.run(serve(config))
-        if agent.busy:
-            # A training thread cannot be interrupted and is still inside a step (the drain's
-            # grace ran out, or a model is still loading); closing the loop would wait for it.
-            # The lease is re-queued by the scheduler either way, so leave now.
-            log.warning("exiting with the training thread still running")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    return code
+    # A training thread still inside a step when the grace period ran out does not hold the
+    # exit: the agent's training thread is a daemon (training_thread.py).
+    return asyncio.run(serve(config))

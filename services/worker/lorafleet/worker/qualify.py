@@ -157,6 +157,27 @@ def _matmul_check(torch: Any, device: Any, n: int, dtype: Any) -> _Compute:
     )
 
 
+def model_dir_problem(path: str, *, vae: bool) -> str | None:
+    """Why a local model directory cannot be what the worker trains from (None: it can).
+
+    Cheap checks only (the probe runs before every connection): the directory, its index, and
+    safetensors weights for each component the trainer loads.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        return f"{path} is not a directory"
+    if vae:
+        folders = [root]
+    else:
+        if not (root / "model_index.json").is_file():
+            return f"{path} has no model_index.json (not a diffusers model directory)"
+        folders = [root / name for name in ("unet", "vae", "text_encoder", "text_encoder_2")]
+    for folder in folders:
+        if not any(folder.glob("*.safetensors")):
+            return f"{folder} holds no safetensors weights"
+    return None
+
+
 def probe(config: WorkerConfig) -> QualificationResult:
     """Runs every check; never raises (a crash in the probe is itself a failed probe)."""
     versions = library_versions()
@@ -220,6 +241,10 @@ def probe(config: WorkerConfig) -> QualificationResult:
     missing = [name for name in _LIBRARIES if versions.get(name) == "missing"]
     if missing:
         problems.append("missing libraries: " + ", ".join(missing))
+    for option, path in (("model_path", config.model_path), ("vae_path", config.vae_path)):
+        if path is not None and (problem := model_dir_problem(path, vae=option == "vae_path")):
+            # A worker that cannot load its own model fails here, never its jobs.
+            problems.append(f"{option}: {problem}")
 
     tflops = compute.tflops if compute is not None else 0.0
     if problems:

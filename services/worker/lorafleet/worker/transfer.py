@@ -5,10 +5,17 @@ backend's signed URLs, and both are plain HTTP GET and PUT. Nothing here touches
 (DESIGN.md: no checkpoint byte ever does).
 
 Failures that may pass (connection errors, timeouts, truncated bodies, HTTP 5xx, 408 and 429)
-are retried with exponential backoff and full jitter, within `max_attempts` and `deadline_s`.
+are retried with `lorafleet.core.retry.backoff_delay` (exponential, full jitter), within
+`max_attempts` and `deadline_s`.
 Other HTTP errors (an expired or wrong URL answers 403, a missing object 404) are raised at once
 as `StorageError(retryable=False)`. Error messages never contain a URL's query string, which
 holds its signature.
+
+Stored objects are write-once: every PUT carries `If-None-Match: *` (S3 URLs sign that header,
+so S3 refuses a PUT without it; the local store is create-only whatever the header). A 412 on
+the first attempt (the key already holds an object) is raised, not retryable; on a retry it
+means an earlier attempt whose answer was lost stored the object, and the upload counts as
+done: the scheduler checks the stored bytes' size and sha256 before it records them.
 """
 
 from __future__ import annotations
@@ -16,17 +23,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Self, TypeVar
+from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import structlog
+from opentelemetry import propagate
 
-from lorafleet.errors import StorageError
+from lorafleet.core.errors import StorageError
+from lorafleet.core.lifecycle import AsyncLifecycle
+from lorafleet.core.retry import backoff_delay
+from lorafleet.worker import metrics
 
 log = structlog.get_logger(__name__)
 
@@ -44,7 +53,8 @@ class TransferConfig:
 
     # Attempts per transfer, the first included.
     max_attempts: int = 6
-    # Backoff before attempt n+1 is uniform in [0, min(max_backoff_s, initial_backoff_s * 2**n)).
+    # Backoff after failed attempt n (from 1): `backoff_delay(n - 1, ...)`, i.e. uniform in
+    # [0, min(max_backoff_s, initial_backoff_s * 2**(n - 1))].
     initial_backoff_s: float = 0.5
     max_backoff_s: float = 20.0
     # Wall-clock bound on one transfer, all attempts and backoff included.
@@ -73,7 +83,14 @@ class _Retryable(Exception):
         self.retry_after_s = retry_after_s
 
 
-class TransferClient:
+def content_md5(data: bytes) -> str:
+    """The `Content-MD5` header of `data` (base64 of its MD5). Blocks for a large body: call it
+    off the event loop, in the same thread pass that computes the body's sha256 when there is
+    one (see `upload`)."""
+    return base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
+
+
+class TransferClient(AsyncLifecycle):
     """Downloads and uploads over signed URLs with one pooled `aiohttp.ClientSession`.
 
     Use as `async with TransferClient() as client:`; `close()` is idempotent.
@@ -82,18 +99,6 @@ class TransferClient:
     def __init__(self, config: TransferConfig | None = None) -> None:
         self._config = config or TransferConfig()
         self._session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def start(self) -> None:
         """Open the connection pool (it must be made inside the running event loop)."""
@@ -125,7 +130,7 @@ class TransferClient:
         session = self._require_session()
 
         async def attempt() -> bytes:
-            async with session.get(url) as response:
+            async with session.get(url, headers=_trace_headers({})) as response:
                 await _raise_for_status(response, "GET", url)
                 # aiohttp checks the body against Content-Length; a short body raises
                 # ClientPayloadError, which is retried.
@@ -164,28 +169,37 @@ class TransferClient:
         # In the order given, which callers may rely on when they iterate.
         return {name: results[name] for name in names}
 
-    async def upload(self, url: str, data: bytes, *, sha256: str | None = None) -> None:
+    async def upload(self, url: str, data: bytes, *, md5: str | None = None) -> None:
         """PUT `data` to `url`, retried as the module docstring says.
 
-        A `Content-MD5` header goes along so the store rejects a body damaged in transit. When
-        `sha256` (hex) is given, `data` is checked against it before anything is sent: a
-        mismatch means the caller is about to announce a digest the stored object would not
-        have, and raises `ValueError`.
+        A `Content-MD5` header goes along so the store (S3 and the local backend both check it)
+        rejects a body damaged in transit: nothing else compares the stored bytes with the
+        digest the worker announces. `md5` is that header's value when the caller already has
+        it (`content_md5(data)`, computed beside the sha256 in one thread pass, as the lease
+        runner does for checkpoints and results); without it the digest is computed here, in a
+        thread. Nothing is hashed on the event loop.
         """
-        if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256.lower():
-            raise ValueError("data does not match the given sha256")
         session = self._require_session()
-        content_md5 = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
+        if md5 is None:
+            md5 = await asyncio.to_thread(content_md5, data)
         # An explicit length keeps the streamed body from going chunked: S3 and the local
         # backend both refuse a PUT without Content-Length.
         headers = {
-            "Content-MD5": content_md5,
+            "Content-MD5": md5,
             "Content-Type": "application/octet-stream",
             "Content-Length": str(len(data)),
+            "If-None-Match": "*",
         }
+        _trace_headers(headers)
+        attempts = 0
 
         async def attempt() -> None:
+            nonlocal attempts
+            attempts += 1
             async with session.put(url, data=_blocks(data), headers=headers) as response:
+                if response.status == 412 and attempts > 1:
+                    log.info("transfer.stored_by_earlier_attempt", url=redact_url(url))
+                    return
                 await _raise_for_status(response, "PUT", url)
                 await response.read()
 
@@ -223,13 +237,14 @@ class TransferClient:
                 ) from exc
             if number == config.max_attempts:
                 break
-            backoff = random.uniform(
-                0, min(config.max_backoff_s, config.initial_backoff_s * 2 ** (number - 1))
+            backoff = backoff_delay(
+                number - 1, initial_s=config.initial_backoff_s, max_s=config.max_backoff_s
             )
             if retry_after_s is not None:
                 backoff = min(max(backoff, retry_after_s), config.max_backoff_s)
             if loop.time() + backoff >= deadline:
                 break
+            metrics.TRANSFER_RETRIES.labels(method).inc()
             log.info(
                 "transfer.retrying",
                 method=method,
@@ -241,7 +256,15 @@ class TransferClient:
             await asyncio.sleep(backoff)
         # Retryable: the store may recover, so the caller (or the job, on another attempt) may
         # try again later.
+        metrics.TRANSFER_FAILURES.labels(method).inc()
         raise StorageError(f"{where}: gave up after {number} attempt(s): {problem}", retryable=True)
+
+
+def _trace_headers(headers: dict[str, str]) -> dict[str, str]:
+    """Adds the current span's W3C traceparent: the store's request span joins the job's trace
+    (stores ignore a header they do not know)."""
+    propagate.inject(headers)
+    return headers
 
 
 async def _raise_for_status(response: aiohttp.ClientResponse, method: str, url: str) -> None:

@@ -3,9 +3,45 @@
 -- (lease_id, epoch) is still its live lease.
 
 -- name: insert_api_key
-INSERT INTO api_keys (key_id, owner, secret_sha256, webhook_url, webhook_events)
-VALUES ($1, $2, $3, $4, $5)
+INSERT INTO api_keys (key_id, owner, secret_sha256, webhook_url, webhook_events,
+                      spend_limit_dollars)
+VALUES ($1, $2, $3, $4, $5, $6)
 RETURNING webhook_secret;
+
+-- name: key_spending
+-- A key's spend limit (NULL: none) and the GPU-seconds billed so far to the jobs it submitted.
+SELECT k.spend_limit_dollars,
+       coalesce((SELECT sum(lorafleet_gpu_seconds(j.job_id)) FROM jobs j
+                 WHERE j.api_key_id = k.key_id), 0)::float8 AS gpu_seconds
+FROM api_keys k WHERE k.key_id = $1;
+
+-- name: key_unfinished_work
+-- The steps still to run of a key's queued and running jobs, by job shape (what its spend limit
+-- counts besides the GPU-seconds already billed).
+SELECT (spec ->> 'resolution')::int AS resolution,
+       (spec ->> 'train_batch_size')::int AS batch_size,
+       coalesce((spec ->> 'gradient_accumulation_steps')::int, 1) AS gradient_accumulation_steps,
+       (spec ->> 'train_text_encoder')::boolean AS train_text_encoder,
+       sum(greatest(max_train_steps - progress_step, 0))::bigint AS steps
+FROM jobs
+WHERE api_key_id = $1 AND state IN ('QUEUED', 'RUNNING')
+GROUP BY 1, 2, 3, 4
+LIMIT 1000;
+
+-- name: pace_for_shape
+-- The median seconds per step of leases granted in the last $1 s on jobs of one shape
+-- ($2 resolution, $3 batch size, $4 gradient accumulation, $5 text-encoder training), and how
+-- many leases that is: what an estimate before submitting rests on.
+SELECT count(*) AS samples,
+       coalesce(percentile_cont(0.5) WITHIN GROUP (ORDER BY l.seconds_per_step), 0)::float8
+           AS seconds_per_step
+FROM leases l JOIN jobs j ON j.job_id = l.job_id
+WHERE l.seconds_per_step IS NOT NULL AND l.seconds_per_step > 0
+  AND l.granted_at > now() - make_interval(secs => $1)
+  AND (j.spec ->> 'resolution')::int = $2
+  AND (j.spec ->> 'train_batch_size')::int = $3
+  AND coalesce((j.spec ->> 'gradient_accumulation_steps')::int, 1) = $4
+  AND (j.spec ->> 'train_text_encoder')::boolean = $5;
 
 -- name: get_api_key
 SELECT key_id, owner, secret_sha256 FROM api_keys WHERE key_id = $1 AND revoked_at IS NULL;
@@ -82,12 +118,17 @@ SELECT * FROM canceled;
 -- name: claim_job
 -- One statement: pick the best claimable job for this machine, skipping rows other replicas
 -- hold locked, and grant it a new lease with the next epoch.
--- $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl seconds.
+-- $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl seconds, $5 sha256 of the lease's
+-- secret (only the grant carries the secret itself).
 WITH candidate AS (
     SELECT j.job_id FROM jobs j
     WHERE j.state = 'QUEUED'
       AND j.min_vram_mb <= $2
       AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.job_id = j.job_id AND b.machine_id = $1)
+      -- One live lease per machine: a machine that still holds one (its stream reconnected
+      -- without resuming it) gets no second until that one ends or expires.
+      AND NOT EXISTS (SELECT 1 FROM jobs r WHERE r.machine_id = $1 AND r.state = 'RUNNING'
+                      AND r.lease_expires_at > now())
     ORDER BY (j.epoch > 0) DESC, j.priority DESC, j.created_at, j.job_id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -98,20 +139,26 @@ WITH candidate AS (
     FROM candidate c WHERE j.job_id = c.job_id
     RETURNING j.*
 ), leased AS (
-    INSERT INTO leases (lease_id, job_id, epoch, machine_id)
-    SELECT lease_id, job_id, epoch, machine_id FROM granted
+    INSERT INTO leases (lease_id, job_id, epoch, machine_id, secret_sha256)
+    SELECT lease_id, job_id, epoch, machine_id, $5 FROM granted
 ), logged AS (
     INSERT INTO job_events (job_id, kind, state, lease_id, machine_id, epoch, step)
-    SELECT job_id, 'LEASE_GRANTED', 'RUNNING', lease_id, machine_id, epoch, progress_step
+    -- The step the lease starts from: its newest checkpoint (0 when fresh), not the last
+    -- heartbeat of the previous holder, whose work after that checkpoint is lost.
+    SELECT job_id, 'LEASE_GRANTED', 'RUNNING', lease_id, machine_id, epoch,
+           coalesce(checkpoint_step, 0)
     FROM granted
 )
 SELECT * FROM granted;
 
 -- name: resume_lease
--- A worker reconnected holding ($1 lease, $2 epoch) on machine $3: keep it if still live.
+-- A worker reconnected holding ($1 lease, $2 epoch) on machine $3 and presenting the lease's
+-- secret (its sha256 is $5): keep the lease if it is still live and the secret matches.
 WITH resumed AS (
     UPDATE jobs SET lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
     WHERE lease_id = $1 AND epoch = $2 AND machine_id = $3 AND state = 'RUNNING'
+      AND lease_expires_at > now()
+      AND EXISTS (SELECT 1 FROM leases l WHERE l.lease_id = $1 AND l.secret_sha256 = $5)
     RETURNING *
 ), logged AS (
     INSERT INTO job_events (job_id, kind, state, lease_id, machine_id, epoch, step)
@@ -121,18 +168,23 @@ SELECT * FROM resumed;
 
 -- name: heartbeat
 -- $1 lease, $2 epoch, $3 ttl s, $4 step, $5 loss, $6 lr, $7 s/step. Extends the lease.
+-- $8: whether this one goes on the timeline (the session rate-limits HEARTBEAT events).
 WITH live AS (
     UPDATE jobs
     SET lease_expires_at = now() + make_interval(secs => $3),
         progress_step = $4, progress_loss = $5, progress_lr = $6, progress_s_per_step = $7,
         progress_machine_id = machine_id, progress_at = now(), updated_at = now()
-    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING'
+    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
     RETURNING job_id, machine_id, lease_id, epoch
 ), touched AS (
-    UPDATE leases SET last_heartbeat_at = now() WHERE lease_id = (SELECT lease_id FROM live)
+    -- The holder's pace, for the scaler (0007): latest s/step, first and last step reported.
+    UPDATE leases
+    SET last_heartbeat_at = now(), seconds_per_step = coalesce($7, seconds_per_step),
+        first_step = coalesce(first_step, $4), last_step = $4
+    WHERE lease_id = (SELECT lease_id FROM live)
 ), logged AS (
     INSERT INTO job_events (job_id, kind, lease_id, machine_id, epoch, step, loss, seconds_per_step)
-    SELECT job_id, 'HEARTBEAT', lease_id, machine_id, epoch, $4, $5, $7 FROM live
+    SELECT job_id, 'HEARTBEAT', lease_id, machine_id, epoch, $4, $5, $7 FROM live WHERE $8
 )
 SELECT job_id FROM live;
 
@@ -163,7 +215,7 @@ SELECT job_id, lease_id, machine_id, epoch FROM expired;
 -- The holder is stopping ($1 lease, $2 epoch, $3 reason): re-queue at once, no failure counted.
 WITH target AS (
     SELECT job_id, lease_id, machine_id, epoch FROM jobs
-    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING'
+    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
     FOR UPDATE
 ), requeued AS (
     UPDATE jobs j
@@ -182,15 +234,24 @@ SELECT * FROM requeued;
 
 -- name: fail_attempt
 -- $1 lease, $2 epoch, $3 class (NODE | INPUT | INTERNAL), $4 message.
--- NODE bans the machine and counts a failure; INTERNAL counts one; INPUT fails the job at once.
+-- Every class bans the machine: a job is never leased again to a machine it failed on, so one
+-- machine can never use up a job's failures by itself. NODE and INTERNAL count a failure.
+-- INPUT counts none and fails the job only once a second machine reports an input fault too:
+-- workers are strangers' machines, and one of them alone must not be able to fail every job
+-- it is handed by calling its inputs bad (docs/THREAT_MODEL.md).
 WITH target AS (
     SELECT job_id, lease_id, machine_id, epoch, failures, max_failures FROM jobs
-    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING'
+    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
     FOR UPDATE
 ), decided AS (
     SELECT t.*,
            t.failures + CASE WHEN $3 = 'INPUT' THEN 0 ELSE 1 END AS new_failures,
-           CASE WHEN $3 = 'INPUT' OR t.failures + 1 >= t.max_failures THEN 'FAILED'
+           CASE WHEN $3 = 'INPUT' AND EXISTS (
+                    SELECT 1 FROM job_events e
+                    WHERE e.job_id = t.job_id AND e.kind = 'ATTEMPT_FAILED'
+                      AND e.failure_class = 'INPUT' AND e.machine_id <> t.machine_id)
+                THEN 'FAILED'
+                WHEN $3 <> 'INPUT' AND t.failures + 1 >= t.max_failures THEN 'FAILED'
                 ELSE 'QUEUED' END AS new_state
     FROM target t
 ), updated AS (
@@ -208,7 +269,7 @@ WITH target AS (
     FROM target t WHERE l.lease_id = t.lease_id
 ), banned AS (
     INSERT INTO bans (job_id, machine_id, reason)
-    SELECT job_id, machine_id, $4 FROM target WHERE $3 = 'NODE'
+    SELECT job_id, machine_id, $4 FROM target
     ON CONFLICT DO NOTHING
 ), logged AS (
     INSERT INTO job_events (job_id, kind, state, lease_id, machine_id, epoch, message, failure_class)
@@ -223,7 +284,7 @@ SELECT * FROM updated;
 -- $1 lease, $2 epoch, $3 step, $4 key, $5 bytes, $6 sha256. Recorded only under the live lease.
 WITH live AS (
     SELECT job_id, lease_id, machine_id, epoch FROM jobs
-    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING'
+    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
     FOR UPDATE
 ), recorded AS (
     INSERT INTO checkpoints (job_id, step, epoch, key, size_bytes, sha256)
@@ -239,19 +300,32 @@ WITH live AS (
     INSERT INTO job_events (job_id, kind, lease_id, machine_id, epoch, step,
                             checkpoint_key, checkpoint_bytes, checkpoint_sha256)
     SELECT job_id, 'CHECKPOINT_COMMITTED', lease_id, machine_id, epoch, $3, $4, $5, $6 FROM live
+), sampled AS (
+    -- Validation images of this step: a sample task (issue 13), when the spec asks for them
+    -- here (a prompt, and a step that is a multiple of validation_steps). Never twice a step.
+    INSERT INTO sample_tasks (job_id, step, weights_key, weights_sha256, weights_is_checkpoint,
+                              settings, max_failures)
+    SELECT j.job_id, $3, $4, $6, true, lorafleet_sample_settings(j.spec), j.max_failures
+    FROM jobs j JOIN recorded r USING (job_id)
+    WHERE jsonb_array_length(lorafleet_sample_settings(j.spec) -> 'prompts') > 0
+      AND coalesce((j.spec ->> 'validation_steps')::int, 0) > 0
+      AND $3 % (j.spec ->> 'validation_steps')::int = 0
+      AND NOT EXISTS (SELECT 1 FROM sample_tasks s WHERE s.job_id = j.job_id AND s.step = $3)
 )
 SELECT job_id FROM live;
 
 -- name: succeed_job
--- $1 lease, $2 epoch, $3 result key, $4 bytes, $5 sha256, $6 step, $7 loss.
+-- $1 lease, $2 epoch, $3 result key, $4 bytes, $5 sha256, $6 step, $7 loss; $8-$10 the kohya
+-- file's key, bytes and sha256 beside it (output_format both), else NULL.
 WITH target AS (
     SELECT job_id, lease_id, machine_id, epoch FROM jobs
-    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING'
+    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
     FOR UPDATE
 ), succeeded AS (
     UPDATE jobs j
     SET state = 'SUCCEEDED', lease_id = NULL, machine_id = NULL, lease_expires_at = NULL,
         result_key = $3, result_bytes = $4, result_sha256 = $5,
+        result_kohya_key = $8, result_kohya_bytes = $9, result_kohya_sha256 = $10,
         progress_step = $6, progress_loss = $7, progress_at = now(),
         progress_machine_id = t.machine_id,
         finished_at = now(), updated_at = now()
@@ -263,6 +337,14 @@ WITH target AS (
 ), logged AS (
     INSERT INTO job_events (job_id, kind, state, lease_id, machine_id, epoch, step, loss)
     SELECT job_id, 'SUCCEEDED', 'SUCCEEDED', lease_id, machine_id, epoch, $6, $7 FROM target
+), sampled AS (
+    -- The result's validation images (issue 13), unless a checkpoint of the same step has them.
+    INSERT INTO sample_tasks (job_id, step, weights_key, weights_sha256, weights_is_checkpoint,
+                              settings, max_failures)
+    SELECT s.job_id, $6, $3, $5, false, lorafleet_sample_settings(s.spec), s.max_failures
+    FROM succeeded s
+    WHERE jsonb_array_length(lorafleet_sample_settings(s.spec) -> 'prompts') > 0
+      AND NOT EXISTS (SELECT 1 FROM sample_tasks t WHERE t.job_id = s.job_id AND t.step = $6)
 )
 SELECT * FROM succeeded;
 
@@ -272,18 +354,40 @@ SELECT * FROM checkpoints WHERE job_id = $1 AND deleted_at IS NULL
 ORDER BY step DESC, epoch DESC;
 
 -- name: checkpoints_to_delete
--- Beyond the newest $2 of a running job, or every one once the job has finished.
+-- Beyond the newest $2 of a running job, or every one once the job has finished; never one a
+-- sample task still has to read.
 SELECT c.job_id, c.step, c.epoch, c.key FROM checkpoints c JOIN jobs j USING (job_id)
 WHERE c.deleted_at IS NULL AND c.job_id = $1
+  AND NOT EXISTS (SELECT 1 FROM sample_tasks s WHERE s.job_id = c.job_id
+                  AND s.weights_key = c.key AND s.state IN ('QUEUED', 'RUNNING'))
   AND (j.state IN ('SUCCEEDED', 'FAILED', 'CANCELED')
        OR (c.step, c.epoch) NOT IN (
            SELECT step, epoch FROM checkpoints
            WHERE job_id = $1 AND deleted_at IS NULL
            ORDER BY step DESC, epoch DESC LIMIT $2));
 
+-- name: jobs_to_sweep
+-- Finished jobs whose storage has not been swept since they finished, or not since the last
+-- upload URL of their leases ($2 seconds after finishing) expired. $1: at most this many.
+SELECT job_id, result_key, result_kohya_key FROM jobs
+WHERE state IN ('SUCCEEDED', 'FAILED', 'CANCELED')
+  -- Not while a sample task still reads one of its checkpoints.
+  AND NOT EXISTS (SELECT 1 FROM sample_tasks s WHERE s.job_id = jobs.job_id
+                  AND s.weights_is_checkpoint AND s.state IN ('QUEUED', 'RUNNING'))
+  AND (storage_swept_at IS NULL
+       OR (storage_swept_at < finished_at + make_interval(secs => $2)
+           AND now() >= finished_at + make_interval(secs => $2)))
+ORDER BY finished_at
+LIMIT $1;
+
+-- name: mark_storage_swept
+UPDATE jobs SET storage_swept_at = now() WHERE job_id = $1;
+
 -- name: finished_jobs_with_checkpoints
 SELECT DISTINCT c.job_id FROM checkpoints c JOIN jobs j USING (job_id)
 WHERE c.deleted_at IS NULL AND j.state IN ('SUCCEEDED', 'FAILED', 'CANCELED')
+  AND NOT EXISTS (SELECT 1 FROM sample_tasks s WHERE s.job_id = c.job_id
+                  AND s.weights_key = c.key AND s.state IN ('QUEUED', 'RUNNING'))
 LIMIT $1;
 
 -- name: mark_checkpoints_deleted
@@ -292,6 +396,11 @@ WITH marked AS (
     UPDATE checkpoints SET deleted_at = now()
     WHERE job_id = $1 AND key = ANY($2::text[]) AND deleted_at IS NULL
     RETURNING job_id, step, epoch, key
+), forgotten AS (
+    -- A job no longer shows a checkpoint that is gone (a finished job's, after cleanup).
+    UPDATE jobs SET checkpoint_step = NULL, checkpoint_epoch = NULL, checkpoint_key = NULL,
+        checkpoint_bytes = NULL, checkpoint_sha256 = NULL, checkpoint_at = NULL
+    WHERE job_id = $1 AND checkpoint_key = ANY($2::text[])
 )
 INSERT INTO job_events (job_id, kind, epoch, step, checkpoint_key)
 SELECT job_id, 'CHECKPOINT_DELETED', epoch, step, key FROM marked;
@@ -307,7 +416,74 @@ SET provider_instance_id = EXCLUDED.provider_instance_id, gpu_model = EXCLUDED.g
     last_seen_at = now();
 
 -- name: touch_machine
-UPDATE machines SET last_seen_at = now() WHERE machine_id = $1;
+-- Only the stream holding the machine's session ($2, its token's sha256) keeps it alive.
+UPDATE machines SET last_seen_at = now()
+WHERE machine_id = $1 AND session_token_sha256 IS NOT DISTINCT FROM $2;
+
+-- name: release_machine_session
+-- Machine $1's stream (session token digest $2) drained and ended: its id is free at once.
+UPDATE machines SET session_token_sha256 = NULL
+WHERE machine_id = $1 AND session_token_sha256 = $2;
+
+-- name: claim_machine_session
+-- A stream says Hello as machine $1: it gets the machine id (session token digest $3) if the
+-- machine is new, if it presents the previous stream's token (digest $2), or if the machine
+-- has been silent for $4 seconds. Nothing is written otherwise: one stream cannot end or take
+-- over another's.
+INSERT INTO machines (machine_id, session_token_sha256)
+VALUES ($1, $3)
+ON CONFLICT (machine_id) DO UPDATE
+SET session_token_sha256 = EXCLUDED.session_token_sha256, last_seen_at = now()
+WHERE machines.session_token_sha256 IS NULL
+   OR machines.session_token_sha256 = $2
+   OR machines.last_seen_at < now() - make_interval(secs => $4)
+RETURNING machine_id;
+
+-- name: start_replica
+-- Replica $1 starts. If no replica said it was alive in the last $3 seconds (a few sweep
+-- intervals), every replica was down: leases lapsed meanwhile through no fault of their
+-- workers, so each running lease gets at least a TTL ($2 s) from now to reconnect in.
+-- Returns how many leases were extended.
+WITH outage AS (
+    SELECT coalesce(max(last_seen_at), '-infinity') < now() - make_interval(secs => $3) AS down
+    FROM scheduler_replicas
+), extended AS (
+    UPDATE jobs
+    SET lease_expires_at = greatest(lease_expires_at, now() + make_interval(secs => $2)),
+        updated_at = now()
+    WHERE state = 'RUNNING' AND (SELECT down FROM outage)
+    RETURNING job_id
+), kept AS (
+    -- Machine ids too: their silence was ours, so none is up for grabs by a new stream before
+    -- its own worker has had a TTL to come back with its session token.
+    UPDATE machines SET last_seen_at = now()
+    WHERE (SELECT down FROM outage) AND session_token_sha256 IS NOT NULL
+), forgotten AS (
+    DELETE FROM scheduler_replicas WHERE last_seen_at < now() - interval '1 day'
+), registered AS (
+    INSERT INTO scheduler_replicas (replica_id) VALUES ($1)
+    ON CONFLICT (replica_id) DO UPDATE SET started_at = now(), last_seen_at = now()
+)
+SELECT count(*) FROM extended;
+
+-- name: record_notice
+-- The holder of live lease ($1, $2) reports a problem (message $3): it goes on the timeline.
+INSERT INTO job_events (job_id, kind, lease_id, machine_id, epoch, step, message)
+SELECT job_id, 'NOTICE', lease_id, machine_id, epoch, progress_step, $3 FROM jobs
+WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now();
+
+-- name: lease_is_live
+-- Whether $1 is a job's (or a sample task's) live lease: a lease's upload URLs work only while
+-- it is.
+SELECT EXISTS (
+    SELECT 1 FROM jobs WHERE lease_id = $1 AND state = 'RUNNING' AND lease_expires_at > now()
+) OR EXISTS (
+    SELECT 1 FROM sample_tasks
+    WHERE lease_id = $1 AND state = 'RUNNING' AND lease_expires_at > now()
+);
+
+-- name: touch_replica
+UPDATE scheduler_replicas SET last_seen_at = now() WHERE replica_id = $1;
 
 -- name: list_events
 SELECT * FROM job_events WHERE job_id = $1 AND event_id > $2 ORDER BY event_id LIMIT $3;
@@ -315,8 +491,15 @@ SELECT * FROM job_events WHERE job_id = $1 AND event_id > $2 ORDER BY event_id L
 -- name: count_queued
 SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'QUEUED' LIMIT $1) q;
 
+-- name: count_jobs_by_state
+-- Jobs per state for the metrics, each count capped at $1 (a scrape stays cheap however long
+-- the ledger's history).
+SELECT s.state, (SELECT count(*) FROM (SELECT 1 FROM jobs j WHERE j.state = s.state LIMIT $1) q)
+FROM unnest(ARRAY['QUEUED', 'RUNNING', 'SUCCEEDED', 'FAILED', 'CANCELED']) AS s(state);
+
 -- name: job_leases
-SELECT * FROM leases WHERE job_id = $1 ORDER BY epoch;
+SELECT lease_id, job_id, epoch, machine_id, granted_at, last_heartbeat_at, ended_at, end_reason
+FROM leases WHERE job_id = $1 ORDER BY epoch;
 
 -- name: claim_webhook_deliveries
 -- Takes up to $1 due deliveries for $2 seconds (a crashed replica's claims come back after it).
@@ -356,3 +539,289 @@ FROM webhook_deliveries WHERE job_id = $1 ORDER BY delivery_id;
 -- Seconds until the next pending delivery is due (NULL: none pending).
 SELECT extract(epoch FROM min(next_attempt_at) - now()) FROM webhook_deliveries
 WHERE delivered_at IS NULL AND gave_up_at IS NULL;
+
+-- The scaler (DESIGN.md, "The scaler's view") -----------------------------------------------
+
+-- name: drop_lease
+-- The scaler takes job $2 away from machine $1 (a slow node): the lease ends, the job is
+-- re-queued from its newest checkpoint with no failure counted, and the machine is banned for
+-- it ($3 the reason). The jobs trigger's NOTIFY has the replica holding the stream revoke it.
+WITH target AS (
+    SELECT job_id, lease_id, machine_id, epoch FROM jobs
+    WHERE job_id = $2 AND machine_id = $1 AND state = 'RUNNING'
+    FOR UPDATE
+), requeued AS (
+    UPDATE jobs j
+    SET state = 'QUEUED', lease_id = NULL, machine_id = NULL, lease_expires_at = NULL,
+        updated_at = now()
+    FROM target t WHERE j.job_id = t.job_id
+    RETURNING j.*
+), ended AS (
+    UPDATE leases l SET ended_at = now(), end_reason = 'dropped'
+    FROM target t WHERE l.lease_id = t.lease_id
+), banned AS (
+    INSERT INTO bans (job_id, machine_id, reason)
+    SELECT job_id, machine_id, $3 FROM target
+    ON CONFLICT DO NOTHING
+), logged AS (
+    INSERT INTO job_events (job_id, kind, state, lease_id, machine_id, epoch, message)
+    SELECT job_id, 'DRAINED', 'QUEUED', lease_id, machine_id, epoch, $3 FROM target
+)
+SELECT * FROM requeued;
+
+-- name: list_nodes
+-- The node registry: machines ($1 these ids; NULL: every one, newest first, at most $3), each
+-- with its live lease, its node faults (all counted; the times of those in the last $2 s),
+-- and the jobs it finished. `qualified` is NULL until the worker's Hello was recorded.
+WITH live AS (
+    SELECT machine_id, job_id FROM jobs WHERE state = 'RUNNING'
+)
+SELECT m.machine_id, m.provider_instance_id, m.gpu_model, m.vram_mb,
+       CASE WHEN m.qualification = '{}'::jsonb THEN NULL ELSE m.qualified END AS qualified,
+       m.qualification ->> 'detail' AS qualification_detail, m.version,
+       m.first_seen_at, m.last_seen_at,
+       (SELECT lv.job_id FROM live lv WHERE lv.machine_id = m.machine_id LIMIT 1) AS lease_job_id,
+       (SELECT count(*) FROM leases l
+        WHERE l.machine_id = m.machine_id AND l.end_reason = 'failed: node') AS node_faults,
+       ARRAY(SELECT extract(epoch FROM l.ended_at)::float8 FROM leases l
+             WHERE l.machine_id = m.machine_id AND l.end_reason = 'failed: node'
+               AND l.ended_at > now() - make_interval(secs => $2)
+             ORDER BY l.ended_at DESC LIMIT 1000) AS recent_fault_times,
+       (SELECT count(*) FROM leases l
+        WHERE l.machine_id = m.machine_id AND l.end_reason = 'succeeded') AS jobs_finished
+FROM machines m
+WHERE $1::text[] IS NULL OR m.machine_id = ANY($1::text[])
+ORDER BY m.last_seen_at DESC, m.machine_id
+LIMIT $3;
+
+-- name: step_samples
+-- Each machine's pace on each job it ran in the last $1 s (its latest lease there), with the
+-- job's shape: what the scaler compares to find a slow node. At most $2 rows.
+SELECT DISTINCT ON (l.machine_id, l.job_id)
+       l.machine_id, l.job_id, l.seconds_per_step::float8 AS seconds_per_step,
+       greatest(coalesce(l.last_step - l.first_step, 0), 0) AS steps,
+       (j.spec ->> 'resolution')::int AS resolution,
+       (j.spec ->> 'train_batch_size')::int AS batch_size,
+       (j.spec ->> 'train_text_encoder')::boolean AS train_text_encoder,
+       coalesce(m.gpu_model, '') AS gpu_class
+FROM leases l
+JOIN jobs j ON j.job_id = l.job_id
+LEFT JOIN machines m ON m.machine_id = l.machine_id
+WHERE l.seconds_per_step IS NOT NULL AND l.granted_at > now() - make_interval(secs => $1)
+ORDER BY l.machine_id, l.job_id, l.epoch DESC
+LIMIT $2;
+
+-- name: scaler_work
+-- Queued and running work (jobs and sample tasks: a job's validation images need a node too),
+-- and when the newest finished job finished (the idle grace starts then when nothing is queued
+-- or running).
+SELECT (SELECT count(*) FROM jobs WHERE state = 'QUEUED')
+       + (SELECT count(*) FROM sample_tasks WHERE state = 'QUEUED') AS queued,
+       (SELECT count(*) FROM jobs WHERE state = 'RUNNING')
+       + (SELECT count(*) FROM sample_tasks WHERE state = 'RUNNING') AS running,
+       (SELECT max(finished_at) FROM jobs WHERE finished_at IS NOT NULL) AS last_finished_at;
+
+-- name: banned_queued_jobs
+-- Queued jobs that some machine is banned from, with those machines (at most $1 jobs).
+SELECT j.job_id, array_agg(b.machine_id ORDER BY b.machine_id) AS banned_machines
+FROM jobs j JOIN bans b ON b.job_id = j.job_id
+WHERE j.state = 'QUEUED'
+GROUP BY j.job_id
+ORDER BY j.job_id
+LIMIT $1;
+
+-- name: record_scaler_decision
+-- $1 at (epoch s, the scaler's clock), $2 scaler id, $3 action, $4 target, $5 job, $6 reason,
+-- $7 figures, $8 fold key, $9 error. A HOLD whose fold key equals the one of the target's
+-- newest row (itself a HOLD) folds into it: one row however many ticks it repeats.
+-- Returns the row's id and whether it was folded.
+WITH newest AS (
+    SELECT decision_id, action, fold_key FROM scaler_decisions
+    WHERE target = $4 ORDER BY decision_id DESC LIMIT 1
+), folded AS (
+    UPDATE scaler_decisions d
+    SET last_at = to_timestamp($1), repeats = d.repeats + 1, reason = $6, figures = $7,
+        scaler_id = $2, error = $9
+    FROM newest n
+    WHERE d.decision_id = n.decision_id AND $3 = 'hold' AND n.action = 'hold'
+      AND n.fold_key = $8
+    RETURNING d.decision_id
+), inserted AS (
+    INSERT INTO scaler_decisions (at, last_at, scaler_id, action, target, job_id, reason,
+                                  figures, fold_key, error)
+    SELECT to_timestamp($1), to_timestamp($1), $2, $3, $4, $5, $6, $7, $8, $9
+    WHERE NOT EXISTS (SELECT 1 FROM folded)
+    RETURNING decision_id
+)
+SELECT decision_id, true AS folded FROM folded
+UNION ALL
+SELECT decision_id, false AS folded FROM inserted;
+
+-- name: finish_scaler_decision
+-- $1 decision, $2 whether it was carried out, $3 the error if not.
+UPDATE scaler_decisions SET applied = $2, error = $3 WHERE decision_id = $1;
+
+-- name: recent_scaler_actions
+-- What the scaler carried out since $1 (epoch s): cooldowns, hold-offs and the reallocation
+-- rate limit read it.
+SELECT extract(epoch FROM at)::float8 AS at, action, target, job_id
+FROM scaler_decisions
+WHERE at >= to_timestamp($1) AND applied AND action <> 'hold'
+ORDER BY decision_id;
+
+-- name: list_scaler_decisions
+-- The newest $1 decisions, newest first (`lorafleet scaler-log`).
+SELECT decision_id, at, last_at, repeats, scaler_id, action, target, job_id, reason, figures,
+       applied, error
+FROM scaler_decisions ORDER BY decision_id DESC LIMIT $1;
+
+-- Sample tasks (issue 13): validation images on the fleet, leased like jobs ---------------------
+
+-- name: claim_sample_task
+-- Like claim_job, for a worker that found no training job: the oldest claimable task, re-runs
+-- first. $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl s, $5 sha256 of its secret.
+WITH candidate AS (
+    SELECT s.task_id FROM sample_tasks s JOIN jobs j USING (job_id)
+    WHERE s.state = 'QUEUED' AND j.min_vram_mb <= $2 AND NOT ($1 = ANY (s.banned_machines))
+    ORDER BY (s.epoch > 0) DESC, j.priority DESC, s.created_at, s.task_id
+    LIMIT 1
+    FOR UPDATE OF s SKIP LOCKED
+), granted AS (
+    UPDATE sample_tasks s
+    SET state = 'RUNNING', epoch = s.epoch + 1, lease_id = $3, machine_id = $1,
+        lease_expires_at = now() + make_interval(secs => $4), secret_sha256 = $5,
+        granted_at = now()
+    FROM candidate c WHERE s.task_id = c.task_id
+    RETURNING s.*
+), logged AS (
+    INSERT INTO job_events (job_id, kind, machine_id, step, message)
+    SELECT job_id, 'SAMPLES_STARTED', machine_id, step,
+           'sample task ' || task_id || ' attempt ' || epoch FROM granted
+)
+SELECT g.*, j.spec, j.owner, j.traceparent FROM granted g JOIN jobs j USING (job_id);
+
+-- name: training_claimable
+-- Whether machine $1 ($2 MB) could claim a queued training job now: then a sample task it
+-- holds gives way (training is never delayed by samples).
+SELECT EXISTS (
+    SELECT 1 FROM jobs j
+    WHERE j.state = 'QUEUED' AND j.min_vram_mb <= $2
+      AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.job_id = j.job_id AND b.machine_id = $1)
+);
+
+-- name: heartbeat_sample_task
+-- $1 lease, $2 epoch, $3 ttl s: extends the task's lease while it is live.
+UPDATE sample_tasks SET lease_expires_at = now() + make_interval(secs => $3)
+WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
+RETURNING task_id;
+
+-- name: complete_sample_task
+-- $1 lease, $2 epoch, $3 the stored images (jsonb array). Fenced like every worker write.
+WITH target AS (
+    SELECT task_id FROM sample_tasks
+    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
+    FOR UPDATE
+), done AS (
+    UPDATE sample_tasks s
+    SET state = 'SUCCEEDED', lease_id = NULL, lease_expires_at = NULL, images = $3,
+        finished_at = now(),
+        busy_seconds = s.busy_seconds + extract(epoch FROM now() - s.granted_at)
+    FROM target t WHERE s.task_id = t.task_id
+    RETURNING s.*
+), logged AS (
+    INSERT INTO job_events (job_id, kind, machine_id, step, message)
+    SELECT job_id, 'SAMPLES', machine_id, step,
+           jsonb_array_length($3) || ' validation images stored' FROM done
+)
+SELECT * FROM done;
+
+-- name: fail_sample_task
+-- $1 lease, $2 epoch, $3 class, $4 message: as fail_attempt, for the task only (its job is
+-- never touched). NODE and INTERNAL ban the machine from the task and count a failure; INPUT
+-- fails the task at once.
+WITH target AS (
+    SELECT task_id, job_id, machine_id, step, failures, max_failures FROM sample_tasks
+    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
+    FOR UPDATE
+), decided AS (
+    SELECT t.*,
+           t.failures + CASE WHEN $3 = 'INPUT' THEN 0 ELSE 1 END AS new_failures,
+           CASE WHEN $3 = 'INPUT' OR t.failures + 1 >= t.max_failures THEN 'FAILED'
+                ELSE 'QUEUED' END AS new_state
+    FROM target t
+), updated AS (
+    UPDATE sample_tasks s
+    SET state = d.new_state, failures = d.new_failures, lease_id = NULL,
+        lease_expires_at = NULL, error = $4,
+        banned_machines = CASE WHEN $3 IN ('NODE', 'INTERNAL')
+                               THEN array_append(s.banned_machines, d.machine_id)
+                               ELSE s.banned_machines END,
+        finished_at = CASE WHEN d.new_state = 'FAILED' THEN now() END,
+        busy_seconds = s.busy_seconds + extract(epoch FROM now() - s.granted_at)
+    FROM decided d WHERE s.task_id = d.task_id
+    RETURNING s.*
+), logged AS (
+    INSERT INTO job_events (job_id, kind, machine_id, step, message, failure_class)
+    SELECT job_id, 'SAMPLES_FAILED', machine_id, step, $4, $3 FROM decided
+    WHERE new_state = 'FAILED'
+)
+SELECT * FROM updated;
+
+-- name: drain_sample_task
+-- The holder stops ($1 lease, $2 epoch): drained, or giving way to training. Re-queued at
+-- once, no failure counted.
+UPDATE sample_tasks s
+SET state = 'QUEUED', lease_id = NULL, lease_expires_at = NULL,
+    busy_seconds = s.busy_seconds + extract(epoch FROM now() - s.granted_at)
+WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
+RETURNING task_id;
+
+-- name: expire_sample_tasks
+-- The sweeper: a task whose lease lapsed goes back to the queue (no failure counted).
+WITH expired AS (
+    SELECT task_id FROM sample_tasks
+    WHERE state = 'RUNNING' AND lease_expires_at < now()
+    ORDER BY lease_expires_at
+    LIMIT 1000
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE sample_tasks s
+SET state = 'QUEUED', lease_id = NULL, lease_expires_at = NULL,
+    busy_seconds = s.busy_seconds + extract(epoch FROM now() - s.granted_at)
+FROM expired e WHERE s.task_id = e.task_id
+RETURNING s.task_id, s.job_id, s.machine_id, s.epoch;
+
+-- name: samples_pending
+-- Whether a sample task of job $1 is still to run (WatchJob stays open until none is).
+SELECT EXISTS (
+    SELECT 1 FROM sample_tasks WHERE job_id = $1 AND state IN ('QUEUED', 'RUNNING')
+);
+
+-- name: sample_tasks_of_job
+-- A job's sample tasks, by step.
+SELECT * FROM sample_tasks WHERE job_id = $1 ORDER BY step, created_at, task_id;
+
+-- name: request_samples
+-- Sample tasks on request for job $1 of owner $2 at steps $3 (the result's step, or a kept
+-- checkpoint's) with settings $4 (jsonb). Returns the steps queued: all of them, or none.
+WITH job AS (
+    SELECT * FROM jobs WHERE job_id = $1 AND owner = $2
+), weights AS (
+    SELECT DISTINCT ON (w.step) w.* FROM (
+        SELECT j.progress_step AS step, j.result_key AS key, j.result_sha256 AS sha256,
+               false AS is_checkpoint, 0 AS rank
+        FROM job j WHERE j.result_key IS NOT NULL
+        UNION ALL
+        SELECT c.step, c.key, c.sha256, true, 1 FROM checkpoints c JOIN job j USING (job_id)
+        WHERE c.deleted_at IS NULL
+    ) w
+    WHERE w.step = ANY ($3::bigint[])
+    ORDER BY w.step, w.rank
+)
+INSERT INTO sample_tasks (job_id, step, weights_key, weights_sha256, weights_is_checkpoint,
+                          settings, max_failures)
+SELECT j.job_id, w.step, w.key, w.sha256, w.is_checkpoint, $4, j.max_failures
+FROM job j, weights w
+-- All or nothing: every step asked for has its weights.
+WHERE (SELECT count(*) FROM weights) = (SELECT count(DISTINCT x) FROM unnest($3::bigint[]) x)
+RETURNING step;

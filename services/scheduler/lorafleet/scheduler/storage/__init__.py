@@ -1,11 +1,14 @@
 """Object storage for the scheduler: one `ObjectStore` protocol, an S3 and a local backend.
 
 Build one from configuration with `open_object_store(config)` and run it with `async with`.
+PUT URLs are write-once and die with their lease; `storage.base` says how each backend keeps
+that.
 """
 
 from __future__ import annotations
 
 from lorafleet.scheduler.storage.base import (
+    IF_NONE_MATCH,
     MAX_URL_TTL_S,
     HttpMethod,
     ObjectInfo,
@@ -16,16 +19,20 @@ from lorafleet.scheduler.storage.base import (
     validate_prefix,
 )
 from lorafleet.scheduler.storage.local import (
+    LeaseIsLive,
     LocalObjectServer,
     LocalObjectStore,
     LocalStoreConfig,
+    always_live,
     url_signature,
 )
 from lorafleet.scheduler.storage.s3 import S3Config, S3ObjectStore
 
 __all__ = [
+    "IF_NONE_MATCH",
     "MAX_URL_TTL_S",
     "HttpMethod",
+    "LeaseIsLive",
     "LocalObjectServer",
     "LocalObjectStore",
     "LocalStoreConfig",
@@ -35,6 +42,7 @@ __all__ = [
     "S3Config",
     "S3ObjectStore",
     "SignedUrl",
+    "always_live",
     "open_object_store",
     "url_signature",
     "validate_key",
@@ -42,8 +50,14 @@ __all__ = [
 ]
 
 
-def open_object_store(config: S3Config | LocalStoreConfig) -> ObjectStore:
-    """The backend `config` describes, not yet started (`async with` it, or call `start()`)."""
+def open_object_store(
+    config: S3Config | LocalStoreConfig, *, lease_is_live: LeaseIsLive = always_live
+) -> ObjectStore:
+    """The backend `config` describes, not yet started (`async with` it, or call `start()`).
+
+    `lease_is_live` is the local backend's check of a lease's PUT URLs (S3 cannot ask; there
+    they are short-lived instead); a scheduler passes its ledger's.
+    """
     if isinstance(config, S3Config):
         return S3ObjectStore(config)
-    return LocalObjectStore(config)
+    return LocalObjectStore(config, lease_is_live=lease_is_live)

@@ -3,18 +3,33 @@
 The scheduler is the only process holding storage credentials. Workers get short-lived signed
 URLs for exactly the keys of their job (DESIGN.md, "Checkpoints"); everything server-side
 (listing, deleting, small reads and writes) goes through an `ObjectStore`.
+
+Workers are strangers' machines (DESIGN.md, "Trust"), so what a PUT URL allows is narrow:
+
+* Write-once: a PUT URL (unless signed with `write_once=False`) only creates; a PUT to a key that
+  already holds an object is refused (HTTP 412) and nothing is replaced. The local backend
+  decides this itself, atomically; on S3 the URL signs `If-None-Match: *` (S3's conditional
+  write), so the request must carry that header (`SignedUrl.headers`).
+* Checked before recorded: `verify` tells whether the stored bytes have the size and sha256 a
+  worker announced, so the ledger never records a digest the store does not hold.
+* Bound to a lease: a PUT URL signed with `lease_id` stops working when that lease ends. The
+  local backend asks the scheduler (`lease_is_live`) on every such PUT, so the end is immediate.
+  S3 cannot ask anyone: there the URL simply lives a short time (the signer gives lease PUT URLs
+  a short TTL and renews them on heartbeats), and write-once plus `verify` make a late PUT
+  harmless: it can only create a key nothing recorded, never replace one that was.
 """
 
 from __future__ import annotations
 
 import builtins
-from collections.abc import Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from types import TracebackType
 from typing import Literal, Protocol, Self
 
-from lorafleet.errors import InvalidArgument, StorageError
+from lorafleet.core.errors import InvalidArgument, StorageError
 
 # SigV4 presigned URLs live at most 7 days; the local backend keeps the same bound so that a
 # caller written against one backend never fails on the other.
@@ -26,6 +41,10 @@ MAX_SEGMENT_BYTES = 255
 # Names starting with this are the local backend's in-progress uploads; no key may use it, so an
 # upload that never finished can never be mistaken for (or collide with) an object.
 RESERVED_SEGMENT_PREFIX = ".lftmp-"
+# What a lease id may look like in a URL (the scheduler's are UUIDs).
+_LEASE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# The conditional-write header: "create only, never replace" (S3 and HTTP alike).
+IF_NONE_MATCH = "If-None-Match"
 
 HttpMethod = Literal["GET", "PUT"]
 
@@ -34,14 +53,17 @@ HttpMethod = Literal["GET", "PUT"]
 class SignedUrl:
     """A URL that lets its holder do one thing (`method`) to one object (`key`) until expiry.
 
-    PUT URLs take the raw body with a plain HTTP PUT; no extra headers are required (a
-    `Content-MD5` header is honoured and checked).
+    PUT URLs take the raw body with a plain HTTP PUT plus `headers`, which the request must
+    carry as they are (on S3 they are signed: a request without them is refused). A worker's
+    uploader sends `If-None-Match: *` on every PUT, which is all any backend requires today. A
+    `Content-MD5` header is honoured and checked by both backends.
     """
 
     key: str
     url: str
     method: HttpMethod
     expires_at: datetime
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,8 +111,16 @@ class ObjectStore(Protocol):
         """A URL that reads `key` (GET) for `ttl_s` seconds; the object need not exist yet."""
         ...
 
-    async def presign_put(self, key: str, *, ttl_s: int) -> SignedUrl:
-        """A URL that writes `key` with a plain HTTP PUT of the body for `ttl_s` seconds."""
+    async def presign_put(
+        self, key: str, *, ttl_s: int, lease_id: str | None = None, write_once: bool = True
+    ) -> SignedUrl:
+        """A URL that writes `key` with an HTTP PUT of the body for `ttl_s` seconds.
+
+        `write_once` (the default): the PUT only creates; if `key` holds an object it is
+        refused with 412 and nothing is replaced. `lease_id`: the URL is one of that lease's and
+        dies with it (at once on the local backend; on S3 at `ttl_s`, which the caller keeps
+        short). See the module docstring.
+        """
         ...
 
     async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
@@ -104,7 +134,13 @@ class ObjectStore(Protocol):
 
     async def put_bytes(self, key: str, data: bytes) -> None:
         """Store `data` at `key`, replacing any object there; readers see old or new, never a
-        mix."""
+        mix. Server-side only (trusted); URLs given to workers are write-once."""
+        ...
+
+    async def verify(self, key: str, *, size_bytes: int, sha256: str) -> bool:
+        """True only if an object exists at `key` with exactly `size_bytes` bytes whose sha256
+        is `sha256` (hex); False for a missing object or any difference. The stored bytes are
+        what is checked, so call it before the ledger records an object a worker announced."""
         ...
 
     async def get_bytes(self, key: str) -> bytes:
@@ -148,6 +184,17 @@ def validate_prefix(prefix: str) -> None:
         validate_key(stem, field="prefix")
     elif prefix:
         raise InvalidArgument("prefix", 'must not be "/"')
+
+
+def check_lease_id(lease_id: str | None) -> None:
+    """Raise `ValueError` unless `lease_id` is None or a plain id a URL can carry."""
+    if lease_id is not None and not _LEASE_ID.fullmatch(lease_id):
+        raise ValueError(f"lease_id must match {_LEASE_ID.pattern}, got {lease_id!r}")
+
+
+def is_sha256_hex(value: str) -> bool:
+    """Whether `value` is a sha256 digest written as 64 hex digits."""
+    return len(value) == 64 and all(ch in "0123456789abcdefABCDEF" for ch in value)
 
 
 def check_ttl(ttl_s: int) -> None:

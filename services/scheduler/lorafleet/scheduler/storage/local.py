@@ -4,27 +4,46 @@ The embedded default needs no S3 endpoint, yet a worker must not care which back
 to: this backend hands out URLs with the same meaning as S3 presigned URLs (one method, one key,
 an expiry) and serves them from an aiohttp server that the scheduler process runs.
 
-URL format (all three query parameters are required)::
+URL format (method, expiry and signature are required; lease and replace only where signed)::
 
     {base_url}/o/{percent-encoded key}?X-Lf-Method=GET|PUT&X-Lf-Expires={unix seconds}
-        &X-Lf-Signature={hex HMAC-SHA256(secret_key, "lorafleet-url-v1\\n" method "\\n"
-                                          expires "\\n" key)}
+        [&X-Lf-Lease={lease id}][&X-Lf-Replace=1]
+        &X-Lf-Signature={hex HMAC-SHA256(secret_key, "lorafleet-url-v2\\n" method "\\n"
+                                          expires "\\n" lease id or "" "\\n" "1" if replace
+                                          else "0" "\\n" key)}
 
-The signature covers the key taken from the path, so a URL signed for one key cannot touch
-another; a GET URL also allows HEAD. Refusals are plain-text HTTP answers:
+The signature covers the key taken from the path, the lease and the write mode, so a URL signed
+for one key cannot touch another and neither the lease binding nor write-once can be stripped;
+a GET URL also allows HEAD.
+
+What a PUT URL allows (see `storage.base` for why):
+
+* Write-once: unless signed with `X-Lf-Replace=1` (never for a worker's URL), a PUT to a key
+  that holds an object is refused with 412 and nothing is replaced, also when two PUTs of the
+  same key race: the upload goes into a temporary file that is hard-linked to the key
+  (`os.link` fails if the name exists, so the check and the write are one step). A request
+  carrying `If-None-Match: *` is create-only whatever its URL says, as on S3.
+* Dies with its lease: a URL carrying `X-Lf-Lease` works only while the injected
+  `lease_is_live(lease_id)` says so; it is asked when the PUT arrives and again just before the
+  object is stored, so an upload that outlives its lease stores nothing. Unlike S3, where a
+  lease's URLs can only be short-lived, the end is immediate here.
+
+Refusals are plain-text HTTP answers:
 
 * 400: the key breaks `validate_key`, a malformed `Content-MD5`, a body that ended early or does
-  not match its `Content-MD5`;
+  not match its `Content-MD5`, an `If-None-Match` other than `*`;
 * 403: a missing or wrong signature, the wrong method, an expired URL, a key reaching through a
-  symlink;
+  symlink, a URL whose lease has ended;
 * 404: GET of a missing object; 405: another method; 409: a key whose path collides with
   another key's folder (`a` and `a/b` cannot both exist on a filesystem);
-* 411: PUT without `Content-Length` (as S3); 413: PUT above `max_object_bytes`.
+* 411: PUT without `Content-Length` (as S3); 412: the key already holds an object (write-once);
+  413: PUT above `max_object_bytes`; 503: the lease could not be checked (retry).
 
 Objects are files under `root_dir` at their key's path. A PUT streams its body into a temporary
 file beside the target (named with the reserved `.lftmp-` prefix, which no key may use), fsyncs
-it and renames it over the target, so a reader sees the old or the new object, never a part,
-and a crash mid-upload leaves at most a temporary file that `start()` sweeps away.
+it and links it to the target's name (renames, for the scheduler's own `put_bytes`), so a
+reader sees a whole object, never a part, and a crash mid-upload leaves at most a temporary file
+that `start()` sweeps away.
 """
 
 from __future__ import annotations
@@ -33,6 +52,7 @@ import asyncio
 import base64
 import binascii
 import builtins
+import contextlib
 import hashlib
 import hmac
 import os
@@ -42,31 +62,36 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
 from pathlib import Path
-from types import TracebackType
-from typing import BinaryIO, Final, ParamSpec, Self, TypeVar
+from typing import BinaryIO, Final, ParamSpec, TypeVar
 
 import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from opentelemetry import propagate, trace
 
-from lorafleet.errors import InvalidArgument, StorageError
+from lorafleet.core.errors import InvalidArgument, StorageError
+from lorafleet.core.lifecycle import AsyncLifecycle
 from lorafleet.scheduler.storage.base import (
+    IF_NONE_MATCH,
     RESERVED_SEGMENT_PREFIX,
     HttpMethod,
     ObjectInfo,
     ObjectNotFound,
     SignedUrl,
+    check_lease_id,
     check_ttl,
+    is_sha256_hex,
     validate_key,
     validate_prefix,
 )
 
 log = structlog.get_logger(__name__)
+_tracer = trace.get_tracer("lorafleet.scheduler.storage")
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -75,12 +100,26 @@ URL_PATH_PREFIX: Final = "/o/"
 PARAM_METHOD: Final = "X-Lf-Method"
 PARAM_EXPIRES: Final = "X-Lf-Expires"
 PARAM_SIGNATURE: Final = "X-Lf-Signature"
-_SIGNING_CONTEXT: Final = "lorafleet-url-v1"
+PARAM_LEASE: Final = "X-Lf-Lease"
+PARAM_REPLACE: Final = "X-Lf-Replace"
+_SIGNING_CONTEXT: Final = "lorafleet-url-v2"
 _MIN_SECRET_BYTES: Final = 16
 # Read and write in blocks of this size: big enough that the thread hop per block is cheap,
 # small enough that a multi-GB upload never sits in memory.
 _IO_BLOCK_BYTES: Final = 1024 * 1024
 _WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::", ""})
+
+LeaseIsLive = Callable[[str], Awaitable[bool]]
+"""Whether the lease with this id is still live (the scheduler answers from its ledger)."""
+
+
+async def always_live(lease_id: str) -> bool:
+    """The `lease_is_live` of a store used without a scheduler: every lease is live.
+
+    Only for tests of the store alone and tools; a scheduler must pass its ledger's check, or
+    a lease's upload URLs keep working after the lease ended (until they expire).
+    """
+    return True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,46 +159,56 @@ class LocalStoreConfig:
             raise ValueError(f"host {self.host!r} binds every interface: set public_base_url")
 
 
-def url_signature(secret_key: bytes, *, method: HttpMethod, key: str, expires: int) -> str:
-    """The hex HMAC-SHA256 that authorises `method` on `key` until unix time `expires`.
+def url_signature(
+    secret_key: bytes,
+    *,
+    method: HttpMethod,
+    key: str,
+    expires: int,
+    lease_id: str | None = None,
+    replace: bool = False,
+) -> str:
+    """The hex HMAC-SHA256 that authorises `method` on `key` until unix time `expires`, for
+    the lease `lease_id` only (None: not bound to a lease) and, for a PUT, replacing an
+    existing object only if `replace`.
 
-    Newlines separate the fields and no field can hold one (methods and numbers cannot,
-    `validate_key` forbids control characters), so two different triples never sign alike.
+    Newlines separate the fields and no field can hold one (methods and numbers cannot, lease
+    ids are checked by `check_lease_id`, `validate_key` forbids control characters), so two
+    different URLs never sign alike.
     """
-    message = f"{_SIGNING_CONTEXT}\n{method}\n{expires}\n{key}".encode()
+    message = (
+        f"{_SIGNING_CONTEXT}\n{method}\n{expires}\n{lease_id or ''}\n"
+        f"{'1' if replace else '0'}\n{key}"
+    ).encode()
     return hmac.new(secret_key, message, hashlib.sha256).hexdigest()
 
 
-class LocalObjectStore:
+class LocalObjectStore(AsyncLifecycle):
     """`ObjectStore` on `config.root_dir`, serving its signed URLs with a `LocalObjectServer`.
 
     `start()` sweeps temporary files left by a crash and starts the server; `close()` stops it.
-    Server-side methods (`list`, `delete`, `put_bytes`, `get_bytes`) work on the directory and
-    need no server. `clock` (unix seconds) is injectable so expiry can be tested without
-    waiting.
+    Server-side methods (`list`, `delete`, `put_bytes`, `get_bytes`, `verify`) work on the
+    directory and need no server. `clock` (unix seconds) is injectable so expiry can be tested
+    without waiting. `lease_is_live` decides whether a lease's PUT URLs still work; the
+    scheduler passes its ledger's check, and only a store used without a scheduler may keep the
+    default (`always_live`).
     """
 
-    def __init__(self, config: LocalStoreConfig, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        config: LocalStoreConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        lease_is_live: LeaseIsLive = always_live,
+    ) -> None:
         self._config = config
         self._clock = clock
         self._files = _Files(config.root_dir)
-        self._server = LocalObjectServer(config, clock=clock)
+        self._server = LocalObjectServer(config, clock=clock, lease_is_live=lease_is_live)
 
     @property
     def server(self) -> LocalObjectServer:
         return self._server
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def start(self) -> None:
         """Sweep crash leftovers and start serving URLs; does nothing when already serving."""
@@ -170,16 +219,24 @@ class LocalObjectStore:
         if swept:
             log.info("storage.local.swept_partial_uploads", count=swept)
         await self._server.start()
+        if self._server.lease_is_live is always_live:
+            log.warning(
+                "storage.local.lease_check_off",
+                detail="no lease_is_live given: lease PUT URLs work until they expire",
+            )
 
     async def close(self) -> None:
         """Stop serving URLs, letting uploads in progress finish; idempotent."""
-        await self._server.shutdown()
+        await self._server.close()
 
     async def presign_get(self, key: str, *, ttl_s: int) -> SignedUrl:
         return self._sign("GET", key, ttl_s)
 
-    async def presign_put(self, key: str, *, ttl_s: int) -> SignedUrl:
-        return self._sign("PUT", key, ttl_s)
+    async def presign_put(
+        self, key: str, *, ttl_s: int, lease_id: str | None = None, write_once: bool = True
+    ) -> SignedUrl:
+        check_lease_id(lease_id)
+        return self._sign("PUT", key, ttl_s, lease_id=lease_id, replace=not write_once)
 
     async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
         validate_prefix(prefix)
@@ -198,14 +255,41 @@ class LocalObjectStore:
         validate_key(key)
         return await _in_thread("get", key, self._files.read, key)
 
-    def _sign(self, method: HttpMethod, key: str, ttl_s: int) -> SignedUrl:
+    async def verify(self, key: str, *, size_bytes: int, sha256: str) -> bool:
+        """Hashes the stored file in a thread (nothing cached: the bytes on disk are what is
+        checked); the size is compared first, so a wrong size costs no read."""
+        validate_key(key)
+        if size_bytes < 0 or not is_sha256_hex(sha256):
+            return False
+        return await _in_thread("verify", key, self._files.verify, key, size_bytes, sha256.lower())
+
+    def _sign(
+        self,
+        method: HttpMethod,
+        key: str,
+        ttl_s: int,
+        *,
+        lease_id: str | None = None,
+        replace: bool = False,
+    ) -> SignedUrl:
         validate_key(key)
         check_ttl(ttl_s)
         expires = int(self._clock()) + ttl_s
-        signature = url_signature(self._config.secret_key, method=method, key=key, expires=expires)
-        query = urllib.parse.urlencode(
-            {PARAM_METHOD: method, PARAM_EXPIRES: str(expires), PARAM_SIGNATURE: signature}
+        signature = url_signature(
+            self._config.secret_key,
+            method=method,
+            key=key,
+            expires=expires,
+            lease_id=lease_id,
+            replace=replace,
         )
+        params = {PARAM_METHOD: method, PARAM_EXPIRES: str(expires)}
+        if lease_id is not None:
+            params[PARAM_LEASE] = lease_id
+        if replace:
+            params[PARAM_REPLACE] = "1"
+        params[PARAM_SIGNATURE] = signature
+        query = urllib.parse.urlencode(params)
         path = URL_PATH_PREFIX + urllib.parse.quote(key, safe="/")
         return SignedUrl(
             key=key,
@@ -215,7 +299,7 @@ class LocalObjectStore:
         )
 
 
-class LocalObjectServer:
+class LocalObjectServer(AsyncLifecycle):
     """The HTTP side of the local backend: serves GET and PUT on signed URLs.
 
     A component with the usual lifecycle: `async with`, `start()`, an idempotent `shutdown()`
@@ -223,9 +307,16 @@ class LocalObjectServer:
     cancels them (a cancelled upload leaves no object and no temporary file).
     """
 
-    def __init__(self, config: LocalStoreConfig, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        config: LocalStoreConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        lease_is_live: LeaseIsLive = always_live,
+    ) -> None:
         self._config = config
         self._clock = clock
+        self.lease_is_live = lease_is_live
         self._files = _Files(config.root_dir)
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
@@ -255,18 +346,6 @@ class LocalObjectServer:
         host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}"
 
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.shutdown()
-
     async def start(self) -> None:
         """Bind and start serving; calling it on a running server does nothing."""
         if self._runner is not None:
@@ -291,7 +370,7 @@ class LocalObjectServer:
         self._port = int(runner.addresses[0][1])
         log.info("storage.local.serving", root=str(self._config.root_dir), base_url=self.base_url)
 
-    async def shutdown(self) -> None:
+    async def close(self) -> None:
         """Stop serving; idempotent."""
         runner, self._runner = self._runner, None
         if runner is None:
@@ -313,7 +392,20 @@ class LocalObjectServer:
         self._in_flight.add(task)
         self._idle.clear()
         try:
-            return await self._serve(request)
+            # A server span per request, in the caller's trace when it sent a traceparent (the
+            # worker's uploads do). The key (and never the signed query) names the object.
+            with _tracer.start_as_current_span(
+                f"storage.{request.method}",
+                context=propagate.extract(request.headers),
+                kind=trace.SpanKind.SERVER,
+                attributes={
+                    "http.request.method": request.method,
+                    "url.path": request.rel_url.raw_path,
+                },
+            ) as span:
+                response = await self._serve(request)
+                span.set_attribute("http.response.status_code", response.status)
+                return response
         finally:
             self._in_flight.discard(task)
             if not self._in_flight:
@@ -337,25 +429,31 @@ class LocalObjectServer:
             validate_key(key)
         except InvalidArgument as exc:
             return _refuse(request, 400, f"invalid key: {exc.reason}")
-        refusal = self._check_authorisation(request, key)
-        if refusal is not None:
-            return _refuse(request, 403, refusal, key=key)
+        grant = self._check_authorisation(request, key)
+        if isinstance(grant, str):
+            return _refuse(request, 403, grant, key=key)
         try:
             path = self._files.path_for(key)
         except StorageError as exc:
             return _refuse(request, 403, str(exc), key=key)
         if method == "PUT":
-            return await self._put(request, key, path)
+            return await self._put(request, key, path, grant)
         return await self._get(request, key, path)
 
-    def _check_authorisation(self, request: web.Request, key: str) -> str | None:
-        """Why the request may not proceed, or None when its URL authorises it."""
+    def _check_authorisation(self, request: web.Request, key: str) -> _Grant | str:
+        """What the request's URL allows, or why the request may not proceed."""
         values: dict[str, str] = {}
         for name in (PARAM_METHOD, PARAM_EXPIRES, PARAM_SIGNATURE):
             found = request.query.getall(name, [])
             if len(found) != 1:
                 return f"URL needs exactly one {name} parameter"
             values[name] = found[0]
+        optional: dict[str, str | None] = {}
+        for name in (PARAM_LEASE, PARAM_REPLACE):
+            found = request.query.getall(name, [])
+            if len(found) > 1:
+                return f"URL has more than one {name} parameter"
+            optional[name] = found[0] if found else None
         signed_method = values[PARAM_METHOD]
         if signed_method not in ("GET", "PUT"):
             return f"{PARAM_METHOD} must be GET or PUT"
@@ -363,11 +461,21 @@ class LocalObjectServer:
             expires = int(values[PARAM_EXPIRES])
         except ValueError:
             return f"{PARAM_EXPIRES} must be unix seconds"
+        lease_id = optional[PARAM_LEASE]
+        try:
+            check_lease_id(lease_id)
+        except ValueError:
+            return f"{PARAM_LEASE} is not a lease id"
+        replace = optional[PARAM_REPLACE]
+        if replace not in (None, "1"):
+            return f"{PARAM_REPLACE} must be 1 when present"
         expected = url_signature(
             self._config.secret_key,
             method="GET" if signed_method == "GET" else "PUT",
             key=key,
             expires=expires,
+            lease_id=lease_id,
+            replace=replace == "1",
         )
         # Constant-time, so the response time reveals nothing about how much of a guess matched.
         # As bytes: compare_digest refuses str with non-ASCII characters, which a client may send.
@@ -381,6 +489,19 @@ class LocalObjectServer:
         if self._clock() >= expires:
             at = datetime.fromtimestamp(expires, UTC).isoformat()
             return f"URL expired at {at}"
+        return _Grant(lease_id=lease_id, replace=replace == "1")
+
+    async def _lease_refusal(self, lease_id: str) -> tuple[int, str] | None:
+        """Why a PUT on a URL of lease `lease_id` may not proceed (status, reason), or None
+        while the lease is live."""
+        try:
+            live = await self.lease_is_live(lease_id)
+        except Exception as exc:
+            # The ledger is unreachable: the worker retries (503 is retryable), nothing stored.
+            log.warning("storage.local.lease_check_failed", lease_id=lease_id, error=repr(exc))
+            return 503, f"cannot check lease {lease_id} now; try again"
+        if not live:
+            return 403, f"lease {lease_id} has ended: its upload URLs no longer work"
         return None
 
     async def _get(self, request: web.Request, key: str, path: Path) -> web.StreamResponse:
@@ -405,7 +526,16 @@ class LocalObjectServer:
             file.close()
         return response
 
-    async def _put(self, request: web.Request, key: str, path: Path) -> web.StreamResponse:
+    async def _put(
+        self, request: web.Request, key: str, path: Path, grant: _Grant
+    ) -> web.StreamResponse:
+        create_only = not grant.replace
+        if (condition := request.headers.get(IF_NONE_MATCH)) is not None:
+            if condition.strip() != "*":
+                return _refuse(request, 400, f"{IF_NONE_MATCH} must be *", key=key)
+            create_only = True
+        if grant.lease_id is not None and (refusal := await self._lease_refusal(grant.lease_id)):
+            return _refuse(request, *refusal, key=key)
         length = request.content_length
         if length is None:
             return _refuse(request, 411, "Content-Length is required", key=key)
@@ -424,12 +554,14 @@ class LocalObjectServer:
                 expected_md5 = b""
             if len(expected_md5) != 16:
                 return _refuse(request, 400, "Content-MD5 must be a base64 MD5 digest", key=key)
+        # Early, so that a refused upload does not send its whole body first; the link in
+        # `commit` is what decides, also for two PUTs racing past this point.
+        if create_only and await asyncio.to_thread(_is_object, path):
+            return _refuse(request, *_write_refusal(_ObjectExists(), key), key=key)
         try:
             writer = await asyncio.to_thread(_AtomicWriter, path)
         except StorageError as exc:
-            return _refuse(
-                request, 409 if isinstance(exc, _KeyConflict) else 500, str(exc), key=key
-            )
+            return _refuse(request, *_write_refusal(exc, key), key=key)
         md5 = hashlib.md5(usedforsecurity=False)
         received = 0
         pending = bytearray()
@@ -448,11 +580,14 @@ class LocalObjectServer:
             if expected_md5 is not None and md5.digest() != expected_md5:
                 return _refuse(request, 400, "body does not match Content-MD5", key=key)
             await asyncio.to_thread(writer.write, bytes(pending))
-            await asyncio.to_thread(writer.commit)
+            # Again at the last moment: an upload that outlived its lease stores nothing.
+            if grant.lease_id is not None and (
+                refusal := await self._lease_refusal(grant.lease_id)
+            ):
+                return _refuse(request, *refusal, key=key)
+            await asyncio.to_thread(writer.commit, replace=not create_only)
         except StorageError as exc:
-            return _refuse(
-                request, 409 if isinstance(exc, _KeyConflict) else 500, str(exc), key=key
-            )
+            return _refuse(request, *_write_refusal(exc, key), key=key)
         except (OSError, HttpProcessingError) as exc:
             # The client went away or sent a broken body. Nobody is left to read an answer;
             # say so in the log instead of letting aiohttp print a traceback.
@@ -467,6 +602,25 @@ class LocalObjectServer:
         return web.Response(status=200, headers={"ETag": f'"{md5.hexdigest()}"'})
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Grant:
+    """What a verified URL allows beyond its method and key."""
+
+    lease_id: str | None
+    replace: bool
+
+
+def _write_refusal(exc: StorageError, key: str) -> tuple[int, str]:
+    if isinstance(exc, _ObjectExists):
+        return 412, (
+            f"an object already exists at key {key!r}; stored objects are write-once and "
+            "are never replaced"
+        )
+    if isinstance(exc, _KeyConflict):
+        return 409, str(exc)
+    return 500, str(exc)
+
+
 def _refuse(
     request: web.Request, status: int, reason: str, *, key: str | None = None
 ) -> web.Response:
@@ -474,6 +628,14 @@ def _refuse(
         "storage.local.refused", method=request.method, key=key, status=status, reason=reason
     )
     return web.Response(status=status, text=f"{status} {HTTPStatus(status).phrase}: {reason}\n")
+
+
+def _is_object(path: Path) -> bool:
+    """Whether `path` (from `_Files.path_for`) is a stored object."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
 
 
 def _open_object(path: Path) -> tuple[BinaryIO, int]:
@@ -510,11 +672,12 @@ class _Files:
         return path
 
     def write(self, key: str, data: bytes) -> None:
+        """The scheduler's own write (`put_bytes`): replaces, as it is trusted to."""
         writer = _AtomicWriter(self.path_for(key))
         try:
             for start in range(0, len(data), _IO_BLOCK_BYTES):
                 writer.write(data[start : start + _IO_BLOCK_BYTES])
-            writer.commit()
+            writer.commit(replace=True)
         finally:
             writer.abort()
 
@@ -525,6 +688,24 @@ class _Files:
             raise ObjectNotFound(key) from None
         with file:
             return file.read()
+
+    def verify(self, key: str, size_bytes: int, sha256: str) -> bool:
+        try:
+            file, size = _open_object(self.path_for(key))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return False
+        except StorageError:
+            # Through a symlink: not an object this store wrote.
+            return False
+        with file:
+            if size != size_bytes:
+                return False
+            digest = hashlib.sha256()
+            read = 0
+            while block := file.read(_IO_BLOCK_BYTES):
+                read += len(block)
+                digest.update(block)
+        return read == size_bytes and digest.hexdigest() == sha256
 
     def delete(self, keys: Sequence[str]) -> None:
         for key in dict.fromkeys(keys):
@@ -599,8 +780,15 @@ class _KeyConflict(StorageError):
         super().__init__(message, retryable=False)
 
 
+class _ObjectExists(StorageError):
+    """The key already holds an object, and the write was create-only (write-once)."""
+
+    def __init__(self) -> None:
+        super().__init__("an object already exists at this key", retryable=False)
+
+
 class _AtomicWriter:
-    """Writes one object into a temporary file beside it, then renames it into place.
+    """Writes one object into a temporary file beside it, then links or renames it into place.
 
     `abort()` is always safe to call and a no-op after `commit()`; it waits for a commit running
     in another thread rather than racing it.
@@ -638,18 +826,34 @@ class _AtomicWriter:
         except OSError as exc:
             raise StorageError(f"cannot write {self._path}: {exc}", retryable=True) from exc
 
-    def commit(self) -> None:
+    def commit(self, *, replace: bool) -> None:
+        """Make the object visible. `replace=False` (write-once): raises `_ObjectExists` if the
+        key holds an object, atomically, whoever else is committing the same key meanwhile."""
         with self._lock:
             try:
                 self._file.flush()
                 os.fsync(self._file.fileno())
                 self._file.close()
-                os.replace(self._temp, self._path)
+                if replace:
+                    os.replace(self._temp, self._path)
+                else:
+                    # link(2) fails with EEXIST if the name exists: the check and the write are
+                    # one step, so of two racing uploads exactly one creates the object.
+                    os.link(self._temp, self._path)
+            except FileExistsError as exc:
+                if not replace and _is_object(self._path):
+                    raise _ObjectExists() from exc
+                raise _KeyConflict(f"{self._path.name!r} is a folder of other objects") from exc
             except IsADirectoryError as exc:
                 raise _KeyConflict(f"{self._path.name!r} is a folder of other objects") from exc
             except OSError as exc:
                 raise StorageError(f"cannot write {self._path}: {exc}", retryable=True) from exc
             self._done = True
+            if not replace:
+                # The object has its name; the temporary one goes (a crash here leaves a second
+                # name for the same bytes, which `start()` sweeps).
+                with contextlib.suppress(OSError):
+                    self._temp.unlink()
             # The rename is durable only once the folder's entry is on disk.
             _fsync_directory(self._path.parent)
 

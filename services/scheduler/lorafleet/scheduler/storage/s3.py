@@ -3,18 +3,37 @@
 boto3 is synchronous: every call that can touch the network (including presigning, which may
 refresh credentials) runs in a worker thread through `asyncio.to_thread`, so the scheduler's
 event loop never blocks on storage.
+
+PUT URLs (see `storage.base` for the rules both backends keep):
+
+* Write-once is S3's conditional write: `presign_put(write_once=True)` signs
+  `If-None-Match: *` into the URL, so S3 refuses the PUT without that header (the signature no
+  longer matches) and, with it, refuses to replace an existing object (412 PreconditionFailed;
+  409 ConditionalRequestConflict while another conditional write of the key is in flight).
+  `SignedUrl.headers` names the header; the worker's uploader always sends it.
+* Nothing can ask the scheduler whether a lease is live when a presigned URL is used, so
+  `lease_id` is not part of the URL: a lease's PUT URLs die when they expire, and the signer
+  keeps their TTL short (minutes) and renews them on heartbeats. Until then a late PUT can only
+  create a key of that lease that is still empty: it can never replace a recorded object
+  (write-once), and `verify` keeps the ledger from recording bytes it did not announce.
+* The body's sha256 cannot be signed into the URL: S3 would need the value when signing, and a
+  lease's URLs are made before its bytes exist. `verify` therefore trusts a full-object SHA256
+  checksum S3 itself holds for the object (it validated it when the object was written) and
+  otherwise reads the object back through hashlib, in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import builtins
+import contextlib
+import hashlib
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from types import TracebackType
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, TypeVar
 
 import boto3
 import boto3.s3.transfer
@@ -22,13 +41,17 @@ import botocore.config
 import botocore.exceptions
 import s3transfer.exceptions
 
-from lorafleet.errors import StorageError
+from lorafleet.core.errors import StorageError
+from lorafleet.core.lifecycle import AsyncLifecycle
 from lorafleet.scheduler.storage.base import (
+    IF_NONE_MATCH,
     HttpMethod,
     ObjectInfo,
     ObjectNotFound,
     SignedUrl,
+    check_lease_id,
     check_ttl,
+    is_sha256_hex,
     validate_key,
     validate_prefix,
 )
@@ -58,6 +81,9 @@ _RETRYABLE_CODES = frozenset(
     }
 )
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+# The object changed between verify's HEAD and its GET (If-Match): not the object we checked.
+_CHANGED_CODES = frozenset({"PreconditionFailed", "412"})
+_VERIFY_BLOCK_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +128,7 @@ class S3Config:
             raise ValueError("set both access_key_id and secret_access_key, or neither")
 
 
-class S3ObjectStore:
+class S3ObjectStore(AsyncLifecycle):
     """`ObjectStore` on an S3-compatible bucket; see `S3Config`."""
 
     def __init__(self, config: S3Config) -> None:
@@ -119,18 +145,6 @@ class S3ObjectStore:
     @property
     def config(self) -> S3Config:
         return self._config
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def start(self) -> None:
         """Build the client (resolving credentials may hit the network) and, if configured,
@@ -150,8 +164,22 @@ class S3ObjectStore:
     async def presign_get(self, key: str, *, ttl_s: int) -> SignedUrl:
         return await self._presign("GET", "get_object", key, ttl_s)
 
-    async def presign_put(self, key: str, *, ttl_s: int) -> SignedUrl:
-        return await self._presign("PUT", "put_object", key, ttl_s)
+    async def presign_put(
+        self, key: str, *, ttl_s: int, lease_id: str | None = None, write_once: bool = True
+    ) -> SignedUrl:
+        """See `ObjectStore.presign_put`; `lease_id` is checked but not in the URL (S3 cannot
+        ask whether a lease is live): keep `ttl_s` short for a lease's URLs."""
+        check_lease_id(lease_id)
+        if not write_once:
+            return await self._presign("PUT", "put_object", key, ttl_s)
+        return await self._presign(
+            "PUT",
+            "put_object",
+            key,
+            ttl_s,
+            params={"IfNoneMatch": "*"},
+            headers={IF_NONE_MATCH: "*"},
+        )
 
     async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
         validate_prefix(prefix)
@@ -227,6 +255,45 @@ class S3ObjectStore:
 
         return await self._call("get", key, download)
 
+    async def verify(self, key: str, *, size_bytes: int, sha256: str) -> bool:
+        validate_key(key)
+        if size_bytes < 0 or not is_sha256_hex(sha256):
+            return False
+        client = self._require_client()
+        bucket = self._config.bucket
+        wanted = bytes.fromhex(sha256)
+
+        def check() -> bool:
+            try:
+                head = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+            except botocore.exceptions.ClientError as exc:
+                if _error_code(exc) in _NOT_FOUND_CODES:
+                    return False
+                raise
+            if int(head["ContentLength"]) != size_bytes:
+                return False
+            stored = head.get("ChecksumSHA256")
+            # A multipart object's checksum is of its parts ("...-3", type COMPOSITE): useless.
+            full_object = head.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT"
+            if stored and "-" not in stored and full_object:
+                return bool(base64.b64decode(stored) == wanted)
+            try:
+                # If-Match: the bytes hashed are those of the object whose size was checked.
+                body = client.get_object(Bucket=bucket, Key=key, IfMatch=head["ETag"])["Body"]
+            except botocore.exceptions.ClientError as exc:
+                if _error_code(exc) in _NOT_FOUND_CODES | _CHANGED_CODES:
+                    return False
+                raise
+            digest = hashlib.sha256()
+            read = 0
+            with contextlib.closing(body):
+                while block := body.read(_VERIFY_BLOCK_BYTES):
+                    read += len(block)
+                    digest.update(block)
+            return read == size_bytes and digest.digest() == wanted
+
+        return await self._call("verify", key, check)
+
     # -- internals -------------------------------------------------------------------------
 
     def _make_client(self) -> Any:
@@ -268,7 +335,18 @@ class S3ObjectStore:
             if _error_code(exc) != "BucketAlreadyOwnedByYou":
                 raise
 
-    async def _presign(self, method: HttpMethod, operation: str, key: str, ttl_s: int) -> SignedUrl:
+    async def _presign(
+        self,
+        method: HttpMethod,
+        operation: str,
+        key: str,
+        ttl_s: int,
+        *,
+        params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> SignedUrl:
+        """A presigned URL; `params` that botocore sends as headers (IfNoneMatch) are signed,
+        so the request must carry them: `headers` says which, for `SignedUrl.headers`."""
         validate_key(key)
         check_ttl(ttl_s)
         client = self._require_client()
@@ -278,14 +356,16 @@ class S3ObjectStore:
         def sign() -> str:
             url: str = client.generate_presigned_url(
                 operation,
-                Params={"Bucket": self._config.bucket, "Key": key},
+                Params={"Bucket": self._config.bucket, "Key": key, **(params or {})},
                 ExpiresIn=ttl_s,
                 HttpMethod=method,
             )
             return url
 
         url = await self._call("presign", key, sign)
-        return SignedUrl(key=key, url=url, method=method, expires_at=expires_at)
+        return SignedUrl(
+            key=key, url=url, method=method, expires_at=expires_at, headers=dict(headers or {})
+        )
 
     def _require_client(self) -> Any:
         if self._client is None:

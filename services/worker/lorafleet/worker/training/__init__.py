@@ -2,7 +2,8 @@
 
 Built from diffusers components (UNet2DConditionModel, AutoencoderKL, CLIPTextModel +
 CLIPTextModelWithProjection with their CLIPTokenizers, a DDPMScheduler from the base model's
-scheduler config), peft LoRA and accelerate. No subprocess, no script.
+scheduler config), peft LoRA, and torch.amp for mixed precision (autocast, and loss scaling for
+fp16). No subprocess, no script, no process-wide training state.
 
 The interface the worker agent uses::
 
@@ -23,7 +24,6 @@ The interface the worker agent uses::
             should_stop=lambda: None | "cancel" | "drain",       # polled between steps
             on_checkpoint=lambda snapshot: ...,    # serialize_checkpoint(snapshot) elsewhere
             on_class_images=lambda [(index, png)]: ...,
-            on_validation_images=lambda step, [png]: ...,
         ),
     )
     # Finished(step, loss, lora_weights: bytes of pytorch_lora_weights.safetensors)
@@ -35,8 +35,9 @@ The interface the worker agent uses::
   unsupported format, shorter side under max(64, resolution // 4) px, over 64 MP) is named in
   one input-fault `TrainingFailure`.
 * `Trainer.run` (loop.py) blocks; call it from a worker thread. Hook semantics are documented
-  on `TrainingHooks`. Every error leaves as `TrainingFailure` with `failure_class` "node",
-  "input" or "internal" (failures.py; `classify_exception` classifies any exception).
+  on `TrainingHooks`. Every error leaves as `TrainingFailure` with a `failure_class` (the
+  core's `FailureClass`: NODE, INPUT or INTERNAL; failures.py; `classify_exception` classifies
+  any exception).
 * Checkpoints (checkpoint.py): at each `checkpointing_steps` multiple the training thread only
   copies tensors to host memory (`TrainingSnapshot`); `serialize_checkpoint` turns a snapshot
   into one verified blob (safetensors + JSON, nothing pickled) on any thread, and
@@ -48,7 +49,7 @@ The interface the worker agent uses::
   ordered by content digest: pass back the generated ones under any names.
 * `Trainer.timings` (`RunTimings`) holds per-step and per-snapshot wall times; the phases are
   OpenTelemetry spans (`training.load_model`, `.class_images`, `.precompute`, `.restore`,
-  `.steps`, `.snapshot`, `.validation`) under the caller's current span.
+  `.steps`, `.snapshot`) under the caller's current span.
 * Nothing is written to local disk by a run (model files are only read; a hub id is downloaded
   into `cache_dir` by `from_pretrained` when no local directory is configured).
 """
@@ -63,7 +64,6 @@ from lorafleet.worker.training.config import TrainingConfig
 from lorafleet.worker.training.data import TrainingImage, images_from_files, min_image_side
 from lorafleet.worker.training.failures import (
     CorruptCheckpoint,
-    FailureClass,
     TrainingFailure,
     classify_exception,
 )
@@ -76,12 +76,12 @@ from lorafleet.worker.training.loop import (
     TrainingHooks,
     TrainingOutcome,
 )
-from lorafleet.worker.training.lora import LORA_WEIGHT_NAME
+from lorafleet.worker.training.lora import KOHYA_WEIGHT_NAME, LORA_WEIGHT_NAME
 
 __all__ = [
+    "KOHYA_WEIGHT_NAME",
     "LORA_WEIGHT_NAME",
     "CorruptCheckpoint",
-    "FailureClass",
     "Finished",
     "RunTimings",
     "StopReason",

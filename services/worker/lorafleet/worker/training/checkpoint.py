@@ -1,8 +1,8 @@
 """Checkpoints that never touch the disk: a host-memory snapshot, and one bytes blob.
 
 At a checkpoint step the training thread only takes a `TrainingSnapshot`: detached host copies
-of the tensors (LoRA weights, optimizer state, RNG states) plus a JSON-ready dict (step, data
-order, LR-scheduler and grad-scaler state, Python and NumPy RNG states). It shares nothing with
+of the tensors (LoRA weights, optimizer state, the run's own RNG states) plus a JSON-ready dict
+(step, data order, LR-scheduler and grad-scaler state). It shares nothing with
 the live run, so `serialize_checkpoint` may run on any thread while training continues.
 
 The blob (format version 1)::
@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import safetensors.torch
 import torch
 from safetensors import SafetensorError
@@ -89,7 +87,9 @@ def serialize_checkpoint(snapshot: TrainingSnapshot) -> bytes:
 
 
 def checkpoint_sha256(data: bytes) -> str:
-    """Hex digest of a whole blob, as announced in `CheckpointCommitted`."""
+    """Hex sha256 of a whole stored blob, as the ledger records it: a checkpoint's
+    (`CheckpointCommitted`, checked again before resuming) and, by the same rule, the final
+    LoRA's (`JobSucceeded`). Reads all of `data`: call it off the event loop."""
     return hashlib.sha256(data).hexdigest()
 
 
@@ -139,37 +139,3 @@ def join_tensors(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if isinstance(value, list):
         return [join_tensors(v, tensors) for v in value]
     return value
-
-
-# RNG states -------------------------------------------------------------------------------------
-
-
-def capture_global_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Python, NumPy, torch CPU and every CUDA device's RNG state: (tensors, JSON)."""
-    version, internal, gauss = random.getstate()
-    np_state = np.random.get_state(legacy=True)
-    assert isinstance(np_state, tuple)
-    kind, keys, pos, has_gauss, cached = np_state
-    tensors = {"rng/torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for index, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng/cuda/{index}"] = cuda_state
-    state = {
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
-    }
-    return tensors, state
-
-
-def restore_global_rng(tensors: Mapping[str, torch.Tensor], state: Mapping[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((int(version), tuple(int(i) for i in internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((str(kind), np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(tensors["rng/torch"])
-    if torch.cuda.is_available():
-        # A checkpoint from a machine with more GPUs restores the devices this one has.
-        for index in range(torch.cuda.device_count()):
-            cuda_state = tensors.get(f"rng/cuda/{index}")
-            if cuda_state is not None:
-                torch.cuda.set_rng_state(cuda_state, index)

@@ -8,7 +8,8 @@ from typing import Literal
 
 import torch
 
-from lorafleet.spec import JobSpec
+from lorafleet.core.model import FailureClass
+from lorafleet.core.spec import JobSpec
 from lorafleet.worker.training.failures import TrainingFailure, input_fault
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
@@ -29,10 +30,17 @@ class TrainingConfig:
     * `frozen_dtype`: "auto" keeps the frozen UNet and text encoders in the mixed-precision dtype
       on CUDA (half the memory, faster), fp32 on the CPU; "fp32" always fp32. LoRA parameters
       and optimizer state are fp32 either way.
-    * `sample_steps`, `sample_batch_size`, `guidance_scale`, `num_validation_images`: how class
-      images (prior preservation) and validation images are generated.
-    * `progress_interval_steps`: `on_progress` runs every this many optimizer steps; each call
-      costs one device-to-host sync (reading the loss).
+    * `sample_steps`, `sample_batch_size`, `guidance_scale`: how class images (prior
+      preservation) are generated. Validation images are sample tasks, with the job's own
+      settings (`validation_*` in the spec).
+    * `progress_interval_s`: `on_progress` runs after the first optimizer step that ends at
+      least this many seconds after the previous report (0: after every step), and after the
+      last. Each report reads the loss, a device-to-host sync that stops the host from queueing
+      the next step's kernels ahead, so a worker reports about once a second, not every step.
+    * `compile_model`: run the UNet, and the text encoders when they are trained, through
+      `torch.compile` (inductor). The first step pays the compilation (seconds with a warm
+      kernel cache, minutes cold); it wins on long jobs where the step is overhead-bound. Off by
+      default (docs/BENCHMARKS.md, "Trainer", has the figures).
     """
 
     spec: JobSpec
@@ -45,15 +53,15 @@ class TrainingConfig:
     sample_steps: int = 30
     sample_batch_size: int = 4
     guidance_scale: float = 5.0
-    num_validation_images: int = 4
-    progress_interval_steps: int = 1
+    progress_interval_s: float = 0.0
+    compile_model: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("sample_steps", "sample_batch_size", "progress_interval_steps"):
+        for name in ("sample_steps", "sample_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        if self.num_validation_images < 0:
-            raise ValueError("num_validation_images must not be negative")
+        if not self.progress_interval_s >= 0:
+            raise ValueError("progress_interval_s must be at least 0")
 
     @property
     def model_ref(self) -> str:
@@ -83,29 +91,38 @@ def resolve_runtime(config: TrainingConfig) -> Runtime:
     spec = config.spec
     if config.device == "cuda" and not torch.cuda.is_available():
         # The worker was deployed for a GPU that its driver or container does not expose.
-        raise TrainingFailure("node", "device 'cuda' was configured but CUDA is not available")
+        raise TrainingFailure(
+            FailureClass.NODE, "device 'cuda' was configured but CUDA is not available"
+        )
     use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     precision = spec.mixed_precision
     if precision == "fp16" and not use_cuda:
-        # accelerate silently trains fp16 jobs in fp32 on a CPU; say so instead of pretending.
+        # fp16 training (autocast with loss scaling) is a GPU feature; refuse it rather than
+        # train the job in another precision than it asked for.
         raise input_fault(
             "mixed_precision: fp16 needs a CUDA GPU and this worker trains on the CPU;"
             " use bf16 or no"
         )
     if precision == "bf16" and use_cuda and not torch.cuda.is_bf16_supported():
         raise input_fault("mixed_precision: bf16 is not supported by this GPU; use fp16 or no")
-    if spec.use_8bit_adam:
+    if spec.use_8bit_adam or spec.optimizer == "adamw_8bit":
+        field = "use_8bit_adam" if spec.use_8bit_adam else "optimizer"
         if not use_cuda:
             raise input_fault(
-                "use_8bit_adam: 8-bit Adam (bitsandbytes) needs a CUDA GPU and this worker"
-                " trains on the CPU; set use_8bit_adam to false"
+                f"{field}: 8-bit Adam (bitsandbytes) needs a CUDA GPU and this worker"
+                " trains on the CPU; use optimizer adamw or prodigy"
             )
         if importlib.util.find_spec("bitsandbytes") is None:
             raise input_fault(
-                "use_8bit_adam: bitsandbytes is not installed on this worker;"
-                " set use_8bit_adam to false"
+                f"{field}: bitsandbytes is not installed on this worker;"
+                " use optimizer adamw or prodigy"
             )
+    if spec.optimizer == "prodigy" and importlib.util.find_spec("prodigyopt") is None:
+        # A dependency of the worker itself: this installation is broken, not the job.
+        raise TrainingFailure(
+            FailureClass.NODE, "optimizer: prodigy needs the prodigyopt package, missing here"
+        )
     frozen = torch.float32
     if use_cuda and config.frozen_dtype == "auto":
         frozen = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]

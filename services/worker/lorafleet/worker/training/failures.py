@@ -1,23 +1,21 @@
 """Why a training run failed, in the three classes the ledger acts on (DESIGN.md).
 
-* ``node``: the machine is at fault (CUDA error, out of memory, driver). The job is retried
+* `NODE`: the machine is at fault (CUDA error, out of memory, driver). The job is retried
   elsewhere and this machine is banned from it.
-* ``input``: the job cannot succeed anywhere (unreadable images, impossible parameters). It fails
+* `INPUT`: the job cannot succeed anywhere (unreadable images, impossible parameters). It fails
   at once with the message, which names what to fix.
-* ``internal``: anything else. Counts toward ``max_failures``, bans nobody. Nothing is guessed
+* `INTERNAL`: anything else. Counts toward ``max_failures``, bans nobody. Nothing is guessed
   into the other two classes: an unrecognised exception is internal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
 
 import torch
 
-from lorafleet.errors import InvalidArgument, LorafleetError
-
-FailureClass = Literal["node", "input", "internal"]
+from lorafleet.core.errors import InvalidArgument, LorafleetError
+from lorafleet.core.model import FailureClass
 
 # Substrings of messages raised by CUDA, its libraries and the driver (via torch's RuntimeError,
 # torch.AcceleratorError or NCCL). Matched case-sensitively as the libraries spell them.
@@ -48,7 +46,7 @@ class TrainingFailure(LorafleetError):
         super().__init__(message)
         self.failure_class: FailureClass = failure_class
         # Only an input fault is certain to fail again wherever it runs.
-        self.retryable = failure_class != "input"
+        self.retryable = failure_class is not FailureClass.INPUT
 
 
 class CorruptCheckpoint(TrainingFailure):
@@ -59,11 +57,11 @@ class CorruptCheckpoint(TrainingFailure):
     """
 
     def __init__(self, message: str) -> None:
-        super().__init__("internal", message)
+        super().__init__(FailureClass.INTERNAL, message)
 
 
 def input_fault(message: str) -> TrainingFailure:
-    return TrainingFailure("input", message)
+    return TrainingFailure(FailureClass.INPUT, message)
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -90,13 +88,13 @@ def classify_exception(exc: BaseException) -> FailureClass:
         if isinstance(current, TrainingFailure):
             return current.failure_class
         if isinstance(current, InvalidArgument):
-            return "input"
+            return FailureClass.INPUT
         if isinstance(current, (torch.OutOfMemoryError, torch.AcceleratorError, MemoryError)):
-            return "node"
+            return FailureClass.NODE
         message = str(current)
         if any(pattern in message for pattern in _NODE_MESSAGES):
-            return "node"
-    return "internal"
+            return FailureClass.NODE
+    return FailureClass.INTERNAL
 
 
 def as_training_failure(exc: BaseException) -> TrainingFailure:

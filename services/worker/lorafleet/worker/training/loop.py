@@ -8,31 +8,29 @@ random), build the optimizer and LR schedule, restore a checkpoint if given, the
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
+import importlib
 import json
-import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from diffusers.optimization import get_scheduler
 from opentelemetry import trace
 
-from lorafleet.spec import JobSpec
+from lorafleet.core.spec import JobSpec
 from lorafleet.worker.training.checkpoint import (
     TrainingSnapshot,
-    capture_global_rng,
     join_tensors,
-    restore_global_rng,
     split_tensors,
     to_host,
 )
-from lorafleet.worker.training.config import Runtime, TrainingConfig, resolve_runtime
+from lorafleet.worker.training.config import TrainingConfig, resolve_runtime
 from lorafleet.worker.training.data import (
     DataOrder,
     PreparedImage,
@@ -47,7 +45,12 @@ from lorafleet.worker.training.failures import (
     as_training_failure,
     input_fault,
 )
-from lorafleet.worker.training.lora import add_lora, lora_parameters, lora_weights_bytes
+from lorafleet.worker.training.lora import (
+    add_lora,
+    kohya_weights_bytes,
+    lora_parameters,
+    lora_weights_bytes,
+)
 from lorafleet.worker.training.model import (
     encode_prompts,
     load_components,
@@ -61,7 +64,8 @@ from lorafleet.worker.training.objective import (
     sample_latents,
     snr_per_timestep,
 )
-from lorafleet.worker.training.sampling import generate_class_images, validation_images
+from lorafleet.worker.training.rng import TorchRngStream
+from lorafleet.worker.training.sampling import generate_class_images
 
 _tracer = trace.get_tracer("lorafleet.worker.training")
 
@@ -76,16 +80,45 @@ _NOT_TRAINING_FIELDS = frozenset(
         "checkpointing_steps",
         "validation_prompt",
         "validation_steps",
+        "validation_prompts",
+        "validation_negative_prompt",
+        "validation_guidance_scale",
+        "validation_inference_steps",
+        "num_validation_images",
         "min_vram_mb",
         "priority",
+        # Which files the result is written as, not what is trained.
+        "output_format",
         "max_failures",
         "labels",
         "webhook_url",
         "webhook_events",
     }
 )
+# Spec fields added after checkpoints existed: in the fingerprint only when set away from their
+# default, so that a checkpoint taken before they existed still resumes.
+_LATER_FIELDS = frozenset(
+    {
+        "optimizer",
+        "prodigy_d_coef",
+        "prodigy_safeguard_warmup",
+        "prodigy_use_bias_correction",
+        "use_dora",
+        "lora_dropout",
+        "repeats",
+        "aspect_ratio_bucketing",
+    }
+)
+_SPEC_DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(JobSpec) if f.default is not dataclasses.MISSING
+}
 # Latents are encoded up front in chunks of this many images.
 _ENCODE_CHUNK = 4
+# Runs in one process take turns. Trainers share no state, but diffusers and transformers patch
+# torch process-wide while they build a model (accelerate's init_empty_weights, the default
+# dtype), and a run swaps its own stream into torch's default generator while it initialises
+# LoRA and steps (rng.py): two runs at once would corrupt each other's modules or numbers.
+_ONE_RUN_AT_A_TIME = threading.Lock()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,8 +126,9 @@ class TrainingHooks:
     """Callbacks from the training thread. Each must return quickly (hand work to another
     thread); an exception raised by one ends the run.
 
-    * `on_progress(step, loss, learning_rate, seconds_per_step)`: after every
-      `progress_interval_steps` optimizer steps and after the last. Latest value wins.
+    * `on_progress(step, loss, learning_rate, seconds_per_step)`: after an optimizer step,
+      at most every `progress_interval_s`, and after the last (seconds_per_step is the mean
+      since the previous report). Latest value wins.
     * `should_stop()`: polled before every optimizer step and between accumulation micro-steps
       (and between class-image batches). Return "cancel" to stop at once (no snapshot) or
       "drain" to stop at the next step boundary with a snapshot; None to go on.
@@ -105,25 +139,28 @@ class TrainingHooks:
       than `num_class_images` were supplied, per batch as they are made. Store them before any
       checkpoint is committed and pass them back as `class_images` when resuming: a checkpoint
       is only valid with the class images it was trained with.
-    * `on_validation_images(step, [png, ...])`: `num_validation_images` images of
-      `validation_prompt` at every multiple of `validation_steps` (only generated when this
-      hook is set).
+
+    Validation images are not made here: the training thread never stops for them. They are
+    sample tasks on the fleet (issue 13; `lorafleet.worker.training.samples`), made from the
+    checkpoints and the result.
     """
 
     on_progress: ProgressHook | None = None
     should_stop: Callable[[], StopReason | None] | None = None
     on_checkpoint: Callable[[TrainingSnapshot], None] | None = None
     on_class_images: Callable[[list[tuple[int, bytes]]], None] | None = None
-    on_validation_images: Callable[[int, list[bytes]], None] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class Finished:
-    """All `max_train_steps` done. `lora_weights` is `pytorch_lora_weights.safetensors`."""
+    """All `max_train_steps` done. `lora_weights` is `pytorch_lora_weights.safetensors`;
+    `kohya_weights` is `pytorch_lora_weights_kohya.safetensors` when the job's output_format
+    asks for it (kohya or both), else None."""
 
     step: int
     loss: float
     lora_weights: bytes = field(repr=False)
+    kohya_weights: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,7 +194,10 @@ class _Cancelled(Exception):
 class Trainer:
     """Trains one job in the calling thread. Single-use: one `run` per instance.
 
-    accelerate keeps process-wide state, so a process runs one `Trainer` at a time.
+    A run keeps its state on its instance (no process-wide singletons: precision, loss
+    scaling and accumulation are the run's own), so any number of Trainers may exist in one
+    process, with any settings. Their runs take turns: a `run` called while another is
+    running waits for it to end (see `_ONE_RUN_AT_A_TIME`).
     """
 
     def __init__(self, config: TrainingConfig) -> None:
@@ -179,25 +219,24 @@ class Trainer:
             raise RuntimeError("a Trainer runs once; make a new one for another run")
         self._ran = True
         run = _Run(self.config, hooks or TrainingHooks(), self.timings)
-        try:
-            return run.execute(instance_images, class_images, resume)
-        except TrainingFailure:
-            raise
-        except Exception as exc:
-            raise as_training_failure(exc) from exc
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+        with _ONE_RUN_AT_A_TIME:
+            try:
+                return run.execute(instance_images, class_images, resume)
+            except TrainingFailure:
+                raise
+            except Exception as exc:
+                raise as_training_failure(exc) from exc
 
 
 def job_fingerprint(
     spec: JobSpec, instance: Sequence[PreparedImage], class_images: Sequence[PreparedImage]
 ) -> str:
     """Identifies what a checkpoint was trained on: weight-relevant spec fields and data."""
-    fields = {k: v for k, v in spec.to_dict().items() if k not in _NOT_TRAINING_FIELDS}
+    fields = {
+        k: v
+        for k, v in spec.to_dict().items()
+        if k not in _NOT_TRAINING_FIELDS and not (k in _LATER_FIELDS and v == _SPEC_DEFAULTS[k])
+    }
     data = {
         "spec": fields,
         "instance": [[i.name, i.sha256, i.caption] for i in instance],
@@ -206,16 +245,7 @@ def job_fingerprint(
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def _fresh_accelerator(runtime: Runtime, gradient_accumulation_steps: int) -> Any:
-    # accelerate's state is a process-wide singleton that refuses a different mixed precision
-    # once set; a long-lived worker runs jobs with different settings one after another.
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    return Accelerator(
-        mixed_precision=runtime.mixed_precision,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        cpu=not runtime.is_cuda,
-    )
+_AUTOCAST_DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _enable_activation_checkpointing(encoder: Any) -> None:
@@ -251,17 +281,21 @@ class _Run:
         spec = self.spec
         self.step = self.start_step = resume.step if resume is not None else 0
         self.runtime = resolve_runtime(self.config)
-        instance = prepare_images(instance_images, resolution=spec.resolution, kind="instance")
+        bucketing = spec.aspect_ratio_bucketing
+        instance = prepare_images(
+            instance_images, resolution=spec.resolution, kind="instance", bucketing=bucketing
+        )
         if not instance:
             raise input_fault("no instance images: upload at least one under instance_data_prefix")
         supplied_class = (
-            prepare_images(class_images, resolution=spec.resolution, kind="class")
+            prepare_images(
+                class_images, resolution=spec.resolution, kind="class", bucketing=bucketing
+            )
             if spec.with_prior_preservation
             else []
         )
-        seed_everything(spec.seed)
         with _tracer.start_as_current_span(
-            "training.load_model", attributes={"lorafleet.model": self.config.model_ref}
+            "training.load_model", attributes={"lorafleet.core.model": self.config.model_ref}
         ):
             self.components = load_components(self.config, self.runtime)
         with _tracer.start_as_current_span("training.class_images"):
@@ -284,18 +318,39 @@ class _Run:
             resolution=spec.resolution,
             center_crop=spec.center_crop,
             random_flip=spec.random_flip,
+            repeats=spec.repeats,
+            bucketing=bucketing,
         )
-        self.trained = add_lora(
-            self.components,
-            rank=spec.lora_rank,
-            alpha=spec.lora_alpha,
-            train_text_encoder=spec.train_text_encoder,
-        )
+        # Torch ops that take no generator (LoRA initialisation, dropout) draw from the run's
+        # own stream, never from the process's generators (rng.py).
+        self.torch_rng = TorchRngStream(spec.seed, self.runtime.device)
+        with self.torch_rng.active():
+            self.trained = add_lora(
+                self.components,
+                rank=spec.lora_rank,
+                alpha=spec.lora_alpha,
+                train_text_encoder=spec.train_text_encoder,
+                use_dora=spec.use_dora,
+                dropout=spec.lora_dropout,
+            )
         self.enable_training_mode()
+        self.unet_forward = self.components.unet
+        self.text_encoder_forwards: tuple[Any, ...] = self.components.text_encoders
+        if self.config.compile_model:
+            # Compiled on the first step (the warm-up: `timings.step_seconds[0]`). The modules
+            # stay the same objects: LoRA weights, checkpoints and the result are unchanged.
+            self.unet_forward = torch.compile(self.components.unet)
+            if spec.train_text_encoder:  # frozen encoders run once, before training
+                self.text_encoder_forwards = tuple(
+                    torch.compile(encoder) for encoder in self.components.text_encoders
+                )
         with _tracer.start_as_current_span("training.precompute") as span:
             self.precompute_conditioning()
             self.precompute_latents()
-            span.set_attribute("lorafleet.latents_cached", self.latent_moments is not None)
+            span.set_attribute(
+                "lorafleet.latents_cached",
+                self.latent_moments is not None or self.latent_list is not None,
+            )
             span.set_attribute("lorafleet.embeddings_cached", self.prompt_embeds is not None)
         self.build_optimization()
         if resume is not None:
@@ -375,6 +430,7 @@ class _Run:
             [TrainingImage(f"{index}.png", png) for index, png in generated],
             resolution=spec.resolution,
             kind="class",
+            bucketing=spec.aspect_ratio_bucketing,
         )
         return sorted([*usable, *made], key=lambda image: image.sha256)
 
@@ -398,15 +454,20 @@ class _Run:
             self.token_ids = (ids[0].to(device), ids[1].to(device))
             return
         with torch.no_grad():
-            self.prompt_embeds = encode_prompts(self.components, ids)
+            self.prompt_embeds = encode_prompts(self.components.text_encoders, ids)
 
     def precompute_latents(self) -> None:
         """Encode every image once when each has a single possible crop and no flip."""
         self.latent_moments: torch.Tensor | None = None
+        self.latent_list: list[torch.Tensor] | None = None
         if not self.data.deterministic:
             return
         chunks = []
         images = range(len(self.data.images))
+        if len({self.data.target(i) for i in images}) > 1:
+            # Aspect-ratio buckets: one image at a time, kept per image (sizes differ).
+            self.latent_list = [self.encode_moments([self.data.fixed_sample(i)]) for i in images]
+            return
         for start in range(0, len(images), _ENCODE_CHUNK):
             samples = [self.data.fixed_sample(i) for i in images[start : start + _ENCODE_CHUNK]]
             chunks.append(self.encode_moments(samples))
@@ -415,13 +476,16 @@ class _Run:
     def build_optimization(self) -> None:
         spec = self.spec
         runtime = self.runtime
-        self.accelerator = _fresh_accelerator(runtime, spec.gradient_accumulation_steps)
         self.params: list[torch.nn.Parameter] = []
         groups: list[dict[str, Any]] = []
         for name, module in self.trained.items():
             params = [p for _, p in lora_parameters(module)]
             self.params.extend(params)
             lr = spec.learning_rate if name == "unet" else spec.text_encoder_learning_rate
+            if spec.optimizer == "prodigy":
+                # Prodigy learns one step size for all groups and refuses differing rates; as in
+                # diffusers' script, the text encoders train at learning_rate then.
+                lr = spec.learning_rate
             if name == "text_encoder_2":
                 groups[-1]["params"].extend(params)
             else:
@@ -433,13 +497,18 @@ class _Run:
             "weight_decay": spec.adam_weight_decay,
             "eps": spec.adam_epsilon,
         }
-        if spec.use_8bit_adam:
+        optimizer_name = "adamw_8bit" if spec.use_8bit_adam else spec.optimizer
+        optimizer: Any
+        if optimizer_name == "adamw_8bit":
             import bitsandbytes
 
             optimizer = bitsandbytes.optim.AdamW8bit(groups, **optimizer_kwargs)
+        elif optimizer_name == "prodigy":
+            optimizer = _prodigy(groups, spec, optimizer_kwargs)
         else:
-            # fused AdamW: one kernel per step on CUDA; the foreach default on the CPU.
-            optimizer = torch.optim.AdamW(groups, fused=runtime.is_cuda or None, **optimizer_kwargs)
+            # Fused AdamW (CUDA and CPU): one kernel over every tensor instead of torch's CPU
+            # default, a Python loop over hundreds of small LoRA tensors (docs/BENCHMARKS.md).
+            optimizer = torch.optim.AdamW(groups, fused=True, **optimizer_kwargs)
         lr_scheduler = get_scheduler(
             spec.lr_scheduler,
             optimizer=optimizer,
@@ -448,12 +517,15 @@ class _Run:
             num_cycles=spec.lr_num_cycles,
             power=spec.lr_power,
         )
-        self.raw_optimizer = optimizer
-        self.raw_lr_scheduler = lr_scheduler
-        # Everything is already on its device; accelerate only adds AMP, loss scaling and
-        # accumulation bookkeeping.
-        self.optimizer, self.lr_scheduler = self.accelerator.prepare(
-            optimizer, lr_scheduler, device_placement=[False, False]
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        # Mixed precision is autocast around the forward pass (torch.amp). fp16 also needs loss
+        # scaling against underflowing gradients; bf16 has fp32's range and needs none. (fp16
+        # runs only on CUDA: resolve_runtime refuses it on the CPU.) Everything is already on
+        # its device, and gradient accumulation is counted in optimizer_step.
+        self.autocast_dtype = _AUTOCAST_DTYPES[runtime.mixed_precision]
+        self.scaler = (
+            torch.amp.GradScaler(runtime.device.type) if runtime.mixed_precision == "fp16" else None
         )
         device = runtime.device
         self.data_generator = torch.Generator("cpu").manual_seed(spec.seed)
@@ -476,14 +548,15 @@ class _Run:
             if self.pending_stop is not None:
                 return self.stopped()
             started = time.perf_counter()
-            loss = self.optimizer_step()
+            with self.torch_rng.active():
+                loss = self.optimizer_step()
             self.timings.step_seconds.append(time.perf_counter() - started)
             steps_since_report += 1
             final = self.step == spec.max_train_steps
-            if self.step % self.config.progress_interval_steps == 0 or final:
+            now = time.perf_counter()
+            if final or now - last_report >= self.config.progress_interval_s:
                 # The one host sync progress needs.
                 self.last_loss = float(loss.item())
-                now = time.perf_counter()
                 if hooks.on_progress is not None:
                     hooks.on_progress(
                         self.step,
@@ -502,11 +575,16 @@ class _Run:
                     snapshot = self.snapshot()
                 self.timings.snapshot_seconds.append(time.perf_counter() - started)
                 hooks.on_checkpoint(snapshot)
-            self.validate_if_due()
         if self.step > self.start_step:
             self.last_loss = float(loss.item())
+        kohya = None
+        if self.spec.output_format in ("kohya", "both"):
+            kohya = kohya_weights_bytes(self.trained)
         return Finished(
-            step=self.step, loss=self.last_loss, lora_weights=lora_weights_bytes(self.trained)
+            step=self.step,
+            loss=self.last_loss,
+            lora_weights=lora_weights_bytes(self.trained),
+            kohya_weights=kohya,
         )
 
     def optimizer_step(self) -> torch.Tensor:
@@ -520,41 +598,66 @@ class _Run:
             samples = self.data.next_batch(self.spec.train_batch_size, self.data_generator)
             loss = self.micro_step(samples)
             total = loss if total is None else total + loss
+        self.apply_gradients()
         self.step += 1
         assert total is not None
         return total / accumulation
 
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.runtime.device.type, dtype=self.autocast_dtype)
+
     def micro_step(self, samples: list[Sample]) -> torch.Tensor:
-        accelerator = self.accelerator
-        unet = self.components.unet
+        """Forward and backward of one micro-batch; gradients add up until apply_gradients.
+        Returns the micro-batch's loss, detached."""
+        unet = self.unet_forward
         device = self.runtime.device
-        with accelerator.accumulate(*self.trained.values()):
-            latents = self.latents(samples)
-            noise, timesteps = draw_noise(
-                latents,
-                self.noise_generator,
-                noise_offset=self.spec.noise_offset,
-                num_train_timesteps=self.num_train_timesteps,
-            )
-            noisy = self.components.noise_scheduler.add_noise(latents, noise, timesteps)
-            time_ids = self.data.time_ids(samples).to(device, non_blocking=True)
-            with accelerator.autocast():
-                prompt_embeds, pooled = self.conditioning(samples)
-                prediction = unet(
-                    noisy,
-                    timesteps,
-                    prompt_embeds,
-                    added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
-                    return_dict=False,
-                )[0]
-            loss = self.loss(prediction, latents, noise, timesteps)
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(self.params, self.spec.max_grad_norm)
-                self.optimizer.step()
-                self.lr_scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
+        latents = self.latents(samples)
+        noise, timesteps = draw_noise(
+            latents,
+            self.noise_generator,
+            noise_offset=self.spec.noise_offset,
+            num_train_timesteps=self.num_train_timesteps,
+        )
+        noisy = self.components.noise_scheduler.add_noise(latents, noise, timesteps)
+        time_ids = self.data.time_ids(samples).to(device, non_blocking=True)
+        with self.autocast():
+            prompt_embeds, pooled = self.conditioning(samples)
+            prediction = unet(
+                noisy,
+                timesteps,
+                prompt_embeds,
+                added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
+                return_dict=False,
+            )[0]
+        loss = self.loss(prediction, latents, noise, timesteps)
+        # The accumulated gradient is that of the mean loss over the micro-batches.
+        scaled = loss / self.spec.gradient_accumulation_steps
+        if self.scaler is not None:
+            scaled = self.scaler.scale(scaled)
+        torch.autograd.backward(scaled)
         return loss.detach()
+
+    def apply_gradients(self) -> None:
+        """Clip, step the optimizer and the LR schedule, clear the gradients."""
+        scaler = self.scaler
+        if scaler is None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.spec.max_grad_norm, foreach=True)
+            self.optimizer.step()
+            stepped = True
+        else:
+            scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+            torch.nn.utils.clip_grad_norm_(self.params, self.spec.max_grad_norm, foreach=True)
+            scale = scaler.get_scale()
+            scaler.step(self.optimizer)  # skipped when the gradients hold an inf or NaN
+            scaler.update()
+            # update() lowers the scale exactly when it skipped the step.
+            stepped = scaler.get_scale() >= scale
+        if stepped:
+            # The schedule counts applied updates: a skipped fp16 step does not advance it.
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def encode_moments(self, samples: list[Sample]) -> torch.Tensor:
         """VAE posterior (mean, std) stacked on the channel axis."""
@@ -569,6 +672,8 @@ class _Run:
         if self.latent_moments is not None:
             index = torch.tensor([s.image for s in samples], device=self.runtime.device)
             moments = self.latent_moments.index_select(0, index)
+        elif self.latent_list is not None:
+            moments = torch.cat([self.latent_list[s.image] for s in samples])
         else:
             moments = self.encode_moments(samples)
         return sample_latents(moments, self.noise_generator, self.components.vae.config)
@@ -586,7 +691,7 @@ class _Run:
         distinct = sorted(set(rows))
         picked = torch.tensor(distinct, device=device)
         ids = (self.token_ids[0][picked], self.token_ids[1][picked])
-        embeds, pooled = encode_prompts(self.components, ids)
+        embeds, pooled = encode_prompts(self.text_encoder_forwards, ids)
         expand = torch.tensor([distinct.index(r) for r in rows], device=device)
         return embeds.index_select(0, expand), pooled.index_select(0, expand)
 
@@ -614,32 +719,6 @@ class _Run:
             snr_weights=weights,
         )
 
-    def validate_if_due(self) -> None:
-        spec = self.spec
-        hook = self.hooks.on_validation_images
-        if (
-            hook is None
-            or not spec.validation_prompt
-            or spec.validation_steps <= 0
-            or self.config.num_validation_images <= 0
-            or self.step % spec.validation_steps
-        ):
-            return
-        with _tracer.start_as_current_span(
-            "training.validation", attributes={"lorafleet.step": self.step}
-        ):
-            images = validation_images(
-                self.components,
-                prompt=spec.validation_prompt,
-                count=self.config.num_validation_images,
-                seed=spec.seed,
-                resolution=spec.resolution,
-                steps=self.config.sample_steps,
-                guidance_scale=self.config.guidance_scale,
-                device=self.runtime.device,
-            )
-        hook(self.step, images)
-
     # Checkpoints --------------------------------------------------------------------------------
 
     def _live_lora(self) -> dict[str, torch.nn.Parameter]:
@@ -652,17 +731,20 @@ class _Run:
     def snapshot(self) -> TrainingSnapshot:
         """Host copies of everything the run needs to continue exactly after `self.step`."""
         live: dict[str, torch.Tensor] = dict(self._live_lora())
-        optimizer_state = self.raw_optimizer.state_dict()
+        optimizer_state = self.optimizer.state_dict()
         per_param = {
             str(index): split_tensors(values, f"optimizer/{index}", live)
             for index, values in optimizer_state["state"].items()
         }
         live["rng/data"] = self.data_generator.get_state()
         live["rng/noise"] = self.noise_generator.get_state()
-        rng_tensors, rng_state = capture_global_rng()
-        live.update(rng_tensors)
+        live["rng/torch"] = self.torch_rng.cpu_state
+        device_key = self.torch_rng.device_key
+        if device_key is not None:
+            assert self.torch_rng.device_state is not None
+            live[device_key] = self.torch_rng.device_state
         tensors = to_host(live)
-        scaler = self.accelerator.scaler
+        scaler = self.scaler
         state = {
             "fingerprint": self.fingerprint,
             "loss": self.last_loss,
@@ -671,9 +753,9 @@ class _Run:
                 "param_groups": optimizer_state["param_groups"],
                 "state": per_param,
             },
-            "lr_scheduler": self.raw_lr_scheduler.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": {**rng_state, "noise_device": self.runtime.device.type},
+            "rng": {"noise_device": self.runtime.device.type},
         }
         # A JSON round trip both deep-copies (nothing shared with the live run) and proves the
         # state is plain JSON before it leaves the training thread.
@@ -709,23 +791,55 @@ class _Run:
             int(index): join_tensors(values, tensors)
             for index, values in state["optimizer"]["state"].items()
         }
-        self.raw_optimizer.load_state_dict(
+        self.optimizer.load_state_dict(
             {"state": optimizer_state, "param_groups": state["optimizer"]["param_groups"]}
         )
-        self.raw_lr_scheduler.load_state_dict(dict(state["lr_scheduler"]))
-        if self.accelerator.scaler is not None and state["grad_scaler"] is not None:
-            self.accelerator.scaler.load_state_dict(state["grad_scaler"])
+        self.lr_scheduler.load_state_dict(dict(state["lr_scheduler"]))
+        if self.scaler is not None and state["grad_scaler"] is not None:
+            self.scaler.load_state_dict(state["grad_scaler"])
         order = DataOrder.from_state(state["data_order"])
         if order.size != self.data.order.size:
             raise CorruptCheckpoint("checkpoint data order is for a different dataset size")
+        if order.buckets != self.data.order.buckets:
+            raise CorruptCheckpoint("checkpoint data order is for other aspect-ratio buckets")
         self.data.order = order
         self.data_generator.set_state(tensors["rng/data"])
-        if state["rng"]["noise_device"] == self.runtime.device.type:
+        same_device = state["rng"]["noise_device"] == self.runtime.device.type
+        if same_device:
             self.noise_generator.set_state(tensors["rng/noise"])
         else:
             # CPU and CUDA generators are different algorithms: a checkpoint moved between the
             # two continues with a fresh, still deterministic, stream.
             self.noise_generator.manual_seed(self.spec.seed + 1 + snapshot.step)
-        restore_global_rng(tensors, state["rng"])
+        # The run's own torch stream; the process's generators are never touched. (Checkpoints
+        # before it existed stored torch's global state here, which was then the same stream.)
+        self.torch_rng.cpu_state = tensors["rng/torch"].clone()
+        device_key = self.torch_rng.device_key
+        if device_key is not None and device_key in tensors and same_device:
+            self.torch_rng.device_state = tensors[device_key].clone()
         self.step = snapshot.step
         self.last_loss = float(state["loss"])
+
+
+def _prodigy(groups: list[dict[str, Any]], spec: JobSpec, kwargs: dict[str, Any]) -> Any:
+    """Prodigy (prodigyopt) with the spec's settings; the Adam betas, epsilon and (decoupled)
+    weight decay are the spec's `adam_*` values, as in diffusers' script."""
+    # prodigyopt ships no type information.
+    prodigyopt: Any = importlib.import_module("prodigyopt")
+    optimizer = prodigyopt.Prodigy(
+        groups,
+        lr=kwargs["lr"],
+        betas=kwargs["betas"],
+        eps=kwargs["eps"],
+        # Set below: the constructor prints a line to stdout when weight decay is on, which
+        # would break the worker's one-JSON-object-per-line logs.
+        weight_decay=0.0,
+        decouple=True,
+        use_bias_correction=spec.prodigy_use_bias_correction,
+        safeguard_warmup=spec.prodigy_safeguard_warmup,
+        d_coef=spec.prodigy_d_coef,
+    )
+    optimizer.defaults["weight_decay"] = kwargs["weight_decay"]
+    for group in optimizer.param_groups:
+        group["weight_decay"] = kwargs["weight_decay"]
+    return optimizer

@@ -24,40 +24,59 @@ from lorafleet.worker.training.serialization import safetensors_bytes
 
 # Untyped in diffusers; peft types lora_alpha as int though it is a float scale numerator.
 convert_state_dict_to_diffusers: Any = _state_dict_utils.convert_state_dict_to_diffusers
+convert_state_dict_to_kohya: Any = _state_dict_utils.convert_state_dict_to_kohya
 LoraConfig: Any = _LoraConfig
 
 UNET_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 TEXT_ENCODER_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj")
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
 # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
 _ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 
 
 def add_lora(
-    components: Components, *, rank: int, alpha: float, train_text_encoder: bool
+    components: Components,
+    *,
+    rank: int,
+    alpha: float,
+    train_text_encoder: bool,
+    use_dora: bool = False,
+    dropout: float = 0.0,
 ) -> dict[str, Any]:
     """Adds adapters and returns the trained modules by their pipeline name, UNet first.
 
     LoRA parameters are kept in fp32 whatever the frozen weights' dtype, so small updates are
-    not rounded away; the base weights stay frozen.
+    not rounded away; the base weights stay frozen. `use_dora` makes them DoRA adapters (a
+    trained magnitude vector per layer beside the low-rank direction update); `dropout` drops
+    the adapters' input during training (torch's default generator: the run's own stream).
+    Initialisation draws from torch's default generator: call this inside the run's stream.
     """
+
+    def config(targets: tuple[str, ...]) -> Any:
+        return _config(rank, alpha, targets, use_dora=use_dora, dropout=dropout)
+
     trained: dict[str, Any] = {"unet": components.unet}
-    components.unet.add_adapter(_config(rank, alpha, UNET_TARGET_MODULES))
+    components.unet.add_adapter(config(UNET_TARGET_MODULES))
     if train_text_encoder:
         for name, encoder in (
             ("text_encoder", components.text_encoder),
             ("text_encoder_2", components.text_encoder_2),
         ):
-            encoder.add_adapter(_config(rank, alpha, TEXT_ENCODER_TARGET_MODULES))
+            encoder.add_adapter(config(TEXT_ENCODER_TARGET_MODULES))
             trained[name] = encoder
     cast_training_params(list(trained.values()), dtype=torch.float32)
     return trained
 
 
-def _config(rank: int, alpha: float, targets: tuple[str, ...]) -> Any:
+def _config(
+    rank: int, alpha: float, targets: tuple[str, ...], *, use_dora: bool, dropout: float
+) -> Any:
     return LoraConfig(
         r=rank,
         lora_alpha=alpha,
+        use_dora=use_dora,
+        lora_dropout=dropout,
         # Gaussian A with zero B: the adapter starts as an exact no-op, as in diffusers' scripts.
         init_lora_weights="gaussian",
         target_modules=list(targets),
@@ -102,3 +121,41 @@ def lora_weights_bytes(trained: Mapping[str, Any]) -> bytes:
         _ADAPTER_METADATA_KEY: json.dumps(adapter_metadata, indent=2, sort_keys=True),
     }
     return safetensors_bytes(lora_state_dict(trained), metadata)
+
+
+_KOHYA_PREFIXES = (
+    ("lora_unet", "unet"),
+    ("lora_te1", "text_encoder"),
+    ("lora_te2", "text_encoder_2"),
+)
+
+
+def kohya_state_dict(trained: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The LoRA in kohya sd-scripts' key format (`lora_unet_...`, `lora_te1_...`,
+    `lora_te2_...`; `lora_down`/`lora_up` weights and an `.alpha` per layer), as diffusers'
+    training scripts write it with `--output_kohya_format` and as ComfyUI, A1111 and diffusers'
+    own kohya loader read it. Each `.alpha` is the adapter's `lora_alpha` (diffusers' converter
+    writes the rank there, which would change the scale whenever alpha differs from it)."""
+    peft_state: dict[str, torch.Tensor] = {}
+    alphas: dict[str, float] = {}
+    for prefix, module in trained.items():
+        config = module.peft_config["default"]
+        if config.use_dora:
+            # kohya's dora_scale layout differs from peft's magnitude vector; refused at submit.
+            raise ValueError("the kohya format holds no DoRA adapters")
+        for key, tensor in get_peft_model_state_dict(module, save_embedding_layers=False).items():
+            peft_state[f"{prefix}.{key}"] = tensor
+        alphas[prefix] = float(config.lora_alpha)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in convert_state_dict_to_kohya(peft_state).items():
+        if key.endswith(".alpha"):
+            module = next(m for p, m in _KOHYA_PREFIXES if key.startswith(p + "_"))
+            out[key] = torch.tensor(alphas[module], dtype=torch.float32)
+        else:
+            out[key] = tensor.detach().to("cpu", torch.float32).contiguous()
+    return out
+
+
+def kohya_weights_bytes(trained: Mapping[str, Any]) -> bytes:
+    """The finished LoRA as `pytorch_lora_weights_kohya.safetensors` bytes."""
+    return safetensors_bytes(kohya_state_dict(trained), {"format": "pt"})

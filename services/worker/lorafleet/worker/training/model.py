@@ -9,8 +9,11 @@ scheduler config. Attention runs through PyTorch SDPA in both the UNet and the t
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import diffusers as _diffusers
 import torch
@@ -48,6 +51,53 @@ def _load_kwargs(config: TrainingConfig) -> dict[str, Any]:
     return {"cache_dir": config.cache_dir, "local_files_only": config.local_files_only}
 
 
+T = TypeVar("T")
+
+# Weights load from safetensors only: a user names the base model, and a pickled checkpoint
+# (.bin, .ckpt) can run code when loaded (DESIGN.md, "Trust").
+_SAFE = {"use_safetensors": True}
+
+
+def _weights(load: Callable[[], T], field: str, ref: str, component: str) -> T:
+    """`load()`, with a model that has no safetensors weights made the job's (input) fault."""
+    try:
+        return load()
+    except (OSError, ValueError) as exc:
+        if "safetensors" in str(exc).lower():
+            raise input_fault(
+                f"{field}: {ref!r} has no safetensors weights for its {component}; lorafleet"
+                " loads models from safetensors only, never pickled .bin or .ckpt files"
+            ) from exc
+        raise
+
+
+# A Hugging Face hub id: `name` or `owner/name` (huggingface_hub's own rule, less its
+# "--" and ".." exclusions, which the hub then answers as a missing repository).
+_HUB_ID = re.compile(r"(?:[\w.\-]{1,96}/)?[\w.\-]{1,96}")
+
+
+def check_model_ref(field: str, ref: str) -> None:
+    """A model reference from the job's spec is a folder on this machine or a hub id. A path
+    that is not there (or not a folder) is the job's fault, named at once: without this check
+    it reached the hub as a malformed repo id and failed as an internal error three times."""
+    path_like = (
+        ref.startswith(("/", "./", "../", "~", "."))
+        or "\\" in ref
+        or ref.count("/") > 1
+        or not _HUB_ID.fullmatch(ref)
+    )
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise input_fault(f"{field}: {ref!r} is a file; a local model is a diffusers folder")
+    if path_like:
+        raise input_fault(
+            f"{field}: no folder {ref!r} on this worker (a local model must be a diffusers"
+            " folder on the worker's disk; a hub model is named 'owner/name')"
+        )
+
+
 def load_components(config: TrainingConfig, runtime: Runtime) -> Components:
     """Loads every component, frozen, on the run's device and in its dtypes."""
     # The worker logs structured JSON; progress bars on stderr are noise there.
@@ -55,6 +105,10 @@ def load_components(config: TrainingConfig, runtime: Runtime) -> Components:
     transformers.utils.logging.disable_progress_bar()
 
     ref = config.model_ref
+    if config.model_path is None:  # the operator's own model path is checked at qualification
+        check_model_ref("base_model", ref)
+    if config.vae_path is None and config.spec.vae_model:
+        check_model_ref("vae_model", config.spec.vae_model)
     common = _load_kwargs(config)
     try:
         tokenizer = transformers.CLIPTokenizer.from_pretrained(ref, subfolder="tokenizer", **common)
@@ -63,15 +117,30 @@ def load_components(config: TrainingConfig, runtime: Runtime) -> Components:
         raise
     tokenizer_2 = transformers.CLIPTokenizer.from_pretrained(ref, subfolder="tokenizer_2", **common)
     frozen = runtime.frozen_dtype
-    text_kwargs = {"dtype": frozen, "attn_implementation": "sdpa", **common}
-    text_encoder = transformers.CLIPTextModel.from_pretrained(
-        ref, subfolder="text_encoder", **text_kwargs
+    text_kwargs = {"dtype": frozen, "attn_implementation": "sdpa", **_SAFE, **common}
+    text_encoder = _weights(
+        lambda: transformers.CLIPTextModel.from_pretrained(
+            ref, subfolder="text_encoder", **text_kwargs
+        ),
+        "base_model",
+        ref,
+        "text_encoder",
     )
-    text_encoder_2 = transformers.CLIPTextModelWithProjection.from_pretrained(
-        ref, subfolder="text_encoder_2", **text_kwargs
+    text_encoder_2 = _weights(
+        lambda: transformers.CLIPTextModelWithProjection.from_pretrained(
+            ref, subfolder="text_encoder_2", **text_kwargs
+        ),
+        "base_model",
+        ref,
+        "text_encoder_2",
     )
-    unet = diffusers.UNet2DConditionModel.from_pretrained(
-        ref, subfolder="unet", torch_dtype=frozen, **common
+    unet = _weights(
+        lambda: diffusers.UNet2DConditionModel.from_pretrained(
+            ref, subfolder="unet", torch_dtype=frozen, **_SAFE, **common
+        ),
+        "base_model",
+        ref,
+        "unet",
     )
     vae = _load_vae(config, frozen)
     noise_scheduler = diffusers.DDPMScheduler.from_pretrained(ref, subfolder="scheduler", **common)
@@ -105,8 +174,13 @@ def _load_vae(config: TrainingConfig, frozen: torch.dtype) -> Any:
     dtype = frozen
     if frozen == torch.float16 and vae_config.get("force_upcast", True):
         dtype = torch.float32
-    return diffusers.AutoencoderKL.from_pretrained(
-        ref, subfolder=subfolder, torch_dtype=dtype, **common
+    return _weights(
+        lambda: diffusers.AutoencoderKL.from_pretrained(
+            ref, subfolder=subfolder, torch_dtype=dtype, **_SAFE, **common
+        ),
+        "base_model" if config.vae_ref is None else "vae_model",
+        ref,
+        "vae",
     )
 
 
@@ -136,13 +210,14 @@ def tokenize(components: Components, prompts: list[str]) -> tuple[torch.Tensor, 
 
 
 def encode_prompts(
-    components: Components, ids: tuple[torch.Tensor, torch.Tensor]
+    text_encoders: Sequence[Any], ids: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDXL conditioning: penultimate hidden states of both encoders side by side, and the
-    second encoder's projected pooled output. Grad flows when the encoders carry LoRA."""
+    """SDXL conditioning from `Components.text_encoders` (or compiled wrappers of them):
+    penultimate hidden states of both encoders side by side, and the second encoder's projected
+    pooled output. Grad flows when the encoders carry LoRA."""
     hidden = []
     pooled = None
-    for encoder, token_ids in zip(components.text_encoders, ids, strict=True):
+    for encoder, token_ids in zip(text_encoders, ids, strict=True):
         out = encoder(token_ids.to(encoder.device), output_hidden_states=True)
         hidden.append(out.hidden_states[-2])
         # Only the second encoder (with projection) has `text_embeds`; it is SDXL's pooled input.

@@ -1,0 +1,5 @@
+"""The Python SDK: `Client` (blocking) and `AsyncClient` over the generated JobService stubs."""
+
+from lorafleet.client.api import AsyncClient, Client
+
+__all__ = ["AsyncClient", "Client"]

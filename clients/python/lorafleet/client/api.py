@@ -1,0 +1,605 @@
+"""The Python SDK: `AsyncClient` (asyncio) and `Client` (blocking), on the generated stubs.
+
+    from lorafleet.client import Client
+    with Client("localhost:50051", api_key="lf_...") as client:
+        client.upload_dir("photos/rex", prefix="dogs/rex")
+        job = client.submit(instance_prompt="a photo of sks dog", instance_data_prefix="dogs/rex",
+                            max_train_steps=500)
+        for update in client.watch(job.job_id):
+            print(update.job.state, update.job.progress.step)
+        client.download_result(job.job_id, "rex.safetensors")
+
+Results are lorafleet's domain values (`lorafleet.core.model.Job`, `JobEvent`, ...); errors are
+`LorafleetError`s (`InvalidArgument` naming the field, `NotFound`, `Unauthenticated`, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import hashlib
+import os
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import aiohttp
+import grpc
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+from lorafleet.client.dataset import (
+    TrainingFile,
+    fetch_zip,
+    read_folder,
+    read_zip,
+)
+from lorafleet.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    LorafleetError,
+    NotFound,
+    StorageError,
+    Unauthenticated,
+)
+from lorafleet.core.lifecycle import AsyncLifecycle
+from lorafleet.core.model import Checkpoint, Job, JobEvent, JobState, result_format
+from lorafleet.core.serde import (
+    JOB_STATES,
+    checkpoint_from_proto,
+    event_from_proto,
+    job_from_proto,
+    spec_from_proto,
+    spec_to_proto,
+)
+from lorafleet.core.spec import JobSpec
+from lorafleet.jobs.v1 import jobs_pb2 as pb
+from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
+
+T = TypeVar("T")
+DEFAULT_TARGET = "localhost:50051"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatchUpdate:
+    job: Job
+    # None for the first update (the job as it stands when the watch starts).
+    event: JobEvent | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleImageInfo:
+    """A stored validation image (issue 13)."""
+
+    step: int
+    prompt_index: int
+    prompt: str
+    image_index: int
+    url: str
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Artifacts:
+    result_url: str | None
+    checkpoints: list[tuple[Checkpoint, str]]
+    # Every result file's URL by format ("diffusers", "kohya"); result_url is one of them.
+    result_urls: dict[str, str] = field(default_factory=dict)
+    samples: list[SampleImageInfo] = field(default_factory=list)
+
+
+def _unreachable(details: str) -> bool:
+    lowered = details.lower()
+    return any(
+        s in lowered
+        for s in ("failed to connect", "connection refused", "connect failed", "dns resolution")
+    )
+
+
+def _error(err: grpc.aio.AioRpcError, target: str | None = None) -> LorafleetError:
+    details = err.details() or str(err.code())
+    code = err.code()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        field, _, reason = details.partition(": ")
+        return InvalidArgument(field, reason or details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(details)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return FailedPrecondition(details)
+    if code == grpc.StatusCode.UNAVAILABLE and target is not None and _unreachable(details):
+        error = LorafleetError(
+            f"no scheduler answers at {target} ({details.splitlines()[0][:200]}); start one with"
+            " `lorafleet up` (or `lorafleet scheduler`), or point LORAFLEET_TARGET / --target at"
+            " yours"
+        )
+        error.retryable = True
+        return error
+    error = LorafleetError(f"{code.name.lower()}: {details}")
+    error.retryable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return error
+
+
+def build_spec(spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any) -> pb.JobSpec:
+    """A spec from a JobSpec, a mapping (e.g. a YAML file) or keyword fields; checked locally."""
+    if isinstance(spec, JobSpec):
+        return spec_to_proto(spec)
+    merged = {**(dict(spec) if spec else {}), **fields}
+    webhook = merged.pop("webhook", None)
+    msg = pb.JobSpec()
+    for name, value in merged.items():
+        if name not in pb.JobSpec.DESCRIPTOR.fields_by_name:
+            raise InvalidArgument(name, "not a job spec field")
+        if name == "labels":
+            msg.labels.update({str(k): str(v) for k, v in value.items()})
+        elif isinstance(value, str) and pb.JobSpec.DESCRIPTOR.fields_by_name[name].enum_type:
+            # Enums by their lower-case names, as in YAML files and CLI flags ("cosine", "bf16").
+            number = _enum_number(pb.JobSpec.DESCRIPTOR.fields_by_name[name].enum_type, value)
+            if number is None:
+                raise InvalidArgument(name, f"unknown value {value!r}")
+            setattr(msg, name, number)
+        elif pb.JobSpec.DESCRIPTOR.fields_by_name[name].is_repeated:
+            if isinstance(value, str) or not isinstance(value, (list, tuple)):
+                raise InvalidArgument(name, "must be a list")
+            try:
+                getattr(msg, name).extend(value)
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgument(name, str(exc)) from None
+        else:
+            try:
+                setattr(msg, name, value)
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgument(name, str(exc)) from None
+    if webhook:
+        msg.webhook.url = webhook.get("url", "")
+        for event in webhook.get("events", ()):
+            number = _enum_number(pb.WebhookEvent.DESCRIPTOR, event)
+            if number is None:
+                raise InvalidArgument("webhook.events", f"unknown event {event!r}")
+            msg.webhook.events.append(pb.WebhookEvent.ValueType(number))
+    spec_from_proto(msg)  # the same checks the scheduler runs, before a round trip
+    return msg
+
+
+def _camel_to_upper(name: str) -> str:
+    return "".join(f"_{c}" if c.isupper() and i else c for i, c in enumerate(name)).upper()
+
+
+def _enum_number(enum: Any, value: str) -> int | None:
+    wanted = f"{_camel_to_upper(enum.name)}_{value}".upper()
+    for v in enum.values:
+        if v.name == wanted and v.number != 0:
+            return int(v.number)
+    return None
+
+
+class AsyncClient(AsyncLifecycle):
+    """JobService over one channel; `async with` it, or call `close()`."""
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.target = target or os.environ.get("LORAFLEET_TARGET", DEFAULT_TARGET)
+        key = api_key or os.environ.get("LORAFLEET_API_KEY", "")
+        self._metadata = (("authorization", f"Bearer {key}"),)
+        self._timeout_s = timeout_s
+        # A client span per call, and its trace context sent along (the scheduler's spans join
+        # the caller's trace, e.g. the CLI command's).
+        interceptors = aio_client_interceptors()
+        if tls:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.aio.secure_channel(self.target, creds, interceptors=interceptors)
+        else:
+            self._channel = grpc.aio.insecure_channel(self.target, interceptors=interceptors)
+        self._stub = pbgrpc.JobServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _unary(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, metadata=self._metadata, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise _error(err, self.target) from None
+
+    async def submit(
+        self,
+        spec: JobSpec | Mapping[str, Any] | None = None,
+        *,
+        idempotency_key: str = "",
+        **fields: Any,
+    ) -> Job:
+        request = pb.SubmitJobRequest(
+            spec=build_spec(spec, **fields), idempotency_key=idempotency_key
+        )
+        response: pb.SubmitJobResponse = await self._unary(self._stub.SubmitJob, request)
+        return job_from_proto(response.job)
+
+    async def estimate(
+        self, spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any
+    ) -> pb.EstimateJobResponse:
+        """Expected seconds and dollars of a job before submitting it (EstimateJob)."""
+        request = pb.EstimateJobRequest(spec=build_spec(spec, **fields))
+        response: pb.EstimateJobResponse = await self._unary(self._stub.EstimateJob, request)
+        return response
+
+    async def submit_batch(self, specs: Sequence[JobSpec | Mapping[str, Any]]) -> list[Job]:
+        """All or nothing: either every job is queued or none is."""
+        request = pb.SubmitJobsRequest(
+            jobs=[pb.SubmitJobRequest(spec=build_spec(s)) for s in specs]
+        )
+        response: pb.SubmitJobsResponse = await self._unary(self._stub.SubmitJobs, request)
+        return [job_from_proto(j) for j in response.jobs]
+
+    async def get(self, job_id: str) -> Job:
+        response: pb.GetJobResponse = await self._unary(
+            self._stub.GetJob, pb.GetJobRequest(job_id=job_id)
+        )
+        return job_from_proto(response.job)
+
+    async def cancel(self, job_id: str) -> Job:
+        response: pb.CancelJobResponse = await self._unary(
+            self._stub.CancelJob, pb.CancelJobRequest(job_id=job_id)
+        )
+        return job_from_proto(response.job)
+
+    async def list(
+        self,
+        *,
+        states: Sequence[JobState] = (),
+        labels: Mapping[str, str] | None = None,
+        page_size: int = 100,
+    ) -> AsyncIterator[Job]:
+        """Every matching job, newest first, fetching pages as needed."""
+        token = ""
+        while True:
+            request = pb.ListJobsRequest(
+                states=[JOB_STATES[s] for s in states],
+                labels=dict(labels or {}),
+                page_size=page_size,
+                page_token=token,
+            )
+            response: pb.ListJobsResponse = await self._unary(self._stub.ListJobs, request)
+            for job in response.jobs:
+                yield job_from_proto(job)
+            token = response.next_page_token
+            if not token:
+                return
+
+    async def events(self, job_id: str) -> builtins.list[JobEvent]:
+        """The whole timeline, oldest first."""
+        out: builtins.list[JobEvent] = []
+        after = 0
+        while True:
+            request = pb.ListJobEventsRequest(job_id=job_id, after_event_id=after, page_size=10_000)
+            response: pb.ListJobEventsResponse = await self._unary(
+                self._stub.ListJobEvents, request
+            )
+            out.extend(event_from_proto(e) for e in response.events)
+            after = response.next_after_event_id
+            if not after:
+                return out
+
+    async def watch(self, job_id: str, *, after_event_id: int = 0) -> AsyncIterator[WatchUpdate]:
+        """The job now, then every event until it is final."""
+        call = self._stub.WatchJob(
+            pb.WatchJobRequest(job_id=job_id, after_event_id=after_event_id),
+            metadata=self._metadata,
+        )
+        try:
+            async for response in call:
+                yield WatchUpdate(
+                    job=job_from_proto(response.job),
+                    event=event_from_proto(response.event) if response.HasField("event") else None,
+                )
+        except grpc.aio.AioRpcError as err:
+            raise _error(err, self.target) from None
+        finally:
+            call.cancel()
+
+    async def upload_dir(self, directory: str | Path, *, prefix: str) -> builtins.list[str]:
+        """Uploads the images (and `.txt` captions beside them) of a local folder under `prefix`.
+        Every image is decoded first: a folder that is missing, or holds a file that is not an
+        image, is refused (`InvalidArgument` naming it) before anything is uploaded."""
+        files = await asyncio.to_thread(read_folder, directory)
+        return await self.upload_files(files, prefix=prefix)
+
+    async def upload_zip(self, path: str | Path, *, prefix: str) -> builtins.list[str]:
+        """Uploads the images and `name.txt` captions inside a zip file under `prefix` (checked
+        first: safe names, bounded sizes, every image decodes)."""
+        files = await asyncio.to_thread(read_zip, path)
+        return await self.upload_files(files, prefix=prefix)
+
+    async def upload_url(
+        self, url: str, *, prefix: str, allow_http_loopback: bool = False
+    ) -> builtins.list[str]:
+        """Downloads a zip from an https:// URL (bounded) and uploads what it holds, as
+        `upload_zip`. `allow_http_loopback` admits plain http to a loopback address (tests)."""
+        data = await fetch_zip(
+            url, timeout_s=self._timeout_s * 10, allow_http_loopback=allow_http_loopback
+        )
+        files = await asyncio.to_thread(read_zip, data, field="images_url", name=url)
+        return await self.upload_files(files, prefix=prefix)
+
+    async def upload_files(
+        self, files: Sequence[TrainingFile], *, prefix: str
+    ) -> builtins.list[str]:
+        """Uploads checked files (from `read_folder`, `read_zip`) under `prefix`."""
+        if not files:
+            raise InvalidArgument("images", "no files to upload")
+        request = pb.CreateUploadUrlsRequest(prefix=prefix, file_names=[f.name for f in files])
+        response: pb.CreateUploadUrlsResponse = await self._unary(
+            self._stub.CreateUploadUrls, request
+        )
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self._timeout_s)
+        ) as http:
+
+            async def put(file: TrainingFile, url: str) -> None:
+                async with http.put(url, data=file.data) as r:
+                    if r.status >= 300:
+                        raise StorageError(
+                            f"upload of {file.name} failed: {r.status}", retryable=r.status >= 500
+                        )
+
+            await asyncio.gather(
+                *(put(f, u.url) for f, u in zip(files, response.urls, strict=True))
+            )
+        return [u.key for u in response.urls]
+
+    async def webhook_deliveries(self, job_id: str) -> builtins.list[pb.WebhookDelivery]:
+        """The job's webhook delivery log (attempts, last status and error, delivered/gave up)."""
+        response: pb.ListWebhookDeliveriesResponse = await self._unary(
+            self._stub.ListWebhookDeliveries, pb.ListWebhookDeliveriesRequest(job_id=job_id)
+        )
+        return list(response.deliveries)
+
+    async def artifacts(self, job_id: str) -> Artifacts:
+        response: pb.GetJobArtifactsResponse = await self._unary(
+            self._stub.GetJobArtifacts, pb.GetJobArtifactsRequest(job_id=job_id)
+        )
+        return Artifacts(
+            result_url=response.result.url or None,
+            result_urls={fmt: u.url for fmt, u in response.results_by_format.items()},
+            checkpoints=[
+                (checkpoint_from_proto(record), url.url)
+                for record, url in zip(
+                    response.checkpoint_records, response.checkpoints, strict=True
+                )
+            ],
+            samples=[
+                SampleImageInfo(
+                    step=s.step,
+                    prompt_index=s.prompt_index,
+                    prompt=s.prompt,
+                    image_index=s.image_index,
+                    url=s.url.url,
+                    sha256=s.sha256,
+                )
+                for s in response.samples
+            ],
+        )
+
+    async def download_samples(self, job_id: str) -> builtins.list[tuple[SampleImageInfo, bytes]]:
+        """Every stored validation image of the job with its bytes (sha256 checked)."""
+        artifacts = await self.artifacts(job_id)
+
+        async def fetch(info: SampleImageInfo) -> tuple[SampleImageInfo, bytes]:
+            data = await self._fetch(info.url)
+            if hashlib.sha256(data).hexdigest() != info.sha256:
+                raise StorageError(
+                    "a downloaded validation image does not match its sha256", retryable=True
+                )
+            return info, data
+
+        return list(await asyncio.gather(*(fetch(i) for i in artifacts.samples)))
+
+    async def request_samples(
+        self,
+        job_id: str,
+        *,
+        prompts: Sequence[str] = (),
+        steps: Sequence[int] = (),
+        negative_prompt: str = "",
+        guidance_scale: float = 0.0,
+        inference_steps: int = 0,
+        num_images: int = 0,
+        seed: int = 0,
+    ) -> builtins.list[int]:
+        """Queues sample tasks for a finished job (its result or kept checkpoints); zero values
+        take the job's validation settings. Returns the steps queued."""
+        response: pb.RequestSamplesResponse = await self._unary(
+            self._stub.RequestSamples,
+            pb.RequestSamplesRequest(
+                job_id=job_id,
+                prompts=list(prompts),
+                steps=list(steps),
+                negative_prompt=negative_prompt,
+                guidance_scale=guidance_scale,
+                inference_steps=inference_steps,
+                num_images=num_images,
+                seed=seed,
+            ),
+        )
+        return list(response.steps)
+
+    async def download_result(
+        self, job_id: str, destination: str | Path, *, fmt: str | None = None
+    ) -> Path:
+        """Writes the final LoRA and checks its sha256: the file of format `fmt` ("diffusers":
+        pytorch_lora_weights.safetensors, "kohya": pytorch_lora_weights_kohya.safetensors),
+        or the job's main file (the diffusers one unless its output_format is kohya)."""
+        job = await self.get(job_id)
+        artifacts = await self.artifacts(job_id)
+        if artifacts.result_url is None or job.result is None:
+            raise FailedPrecondition(f"job {job_id} has no result (state {job.state.value})")
+        files = job.result.files
+        chosen = fmt or result_format(job.result.key)
+        url = artifacts.result_urls.get(chosen) if fmt else artifacts.result_url
+        if chosen not in files or url is None:
+            raise FailedPrecondition(
+                f"job {job_id} has no {chosen} result (output_format"
+                f" {job.spec.output_format}; it has {', '.join(sorted(files))})"
+            )
+        data = await self._fetch(url)
+        if hashlib.sha256(data).hexdigest() != files[chosen].sha256:
+            raise StorageError(
+                "the downloaded LoRA does not match its recorded sha256", retryable=True
+            )
+        path = Path(destination)
+        await asyncio.to_thread(path.write_bytes, data)
+        return path
+
+    async def download_checkpoint(
+        self, job_id: str, step: int | None, destination: str | Path
+    ) -> Path:
+        """Writes a retained checkpoint (the newest when step is None) after checking its sha256."""
+        artifacts = await self.artifacts(job_id)
+        chosen = [(c, u) for c, u in artifacts.checkpoints if step is None or c.step == step]
+        if not chosen and artifacts.result_url is not None:
+            raise FailedPrecondition(
+                f"job {job_id} has finished and its checkpoints were deleted; its result is"
+                f" the final LoRA: `lorafleet download {job_id}`"
+            )
+        if not chosen:
+            kept = ", ".join(str(c.step) for c, _ in artifacts.checkpoints)
+            raise NotFound(
+                f"job {job_id} has no retained checkpoint"
+                + (f" at step {step} (retained: {kept})" if step is not None else "")
+            )
+        checkpoint, url = chosen[0]
+        data = await self._fetch(url)
+        if hashlib.sha256(data).hexdigest() != checkpoint.sha256:
+            raise StorageError(
+                "the downloaded checkpoint does not match its sha256", retryable=True
+            )
+        path = Path(destination)
+        await asyncio.to_thread(path.write_bytes, data)
+        return path
+
+    async def _fetch(self, url: str) -> bytes:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout_s)) as http,
+            http.get(url) as r,
+        ):
+            if r.status != 200:
+                raise StorageError(
+                    f"download failed: {r.status} {await r.text()}", retryable=r.status >= 500
+                )
+            return await r.read()
+
+
+class Client:
+    """The blocking twin of `AsyncClient`: the same calls, run on a private event loop."""
+
+    def __init__(self, target: str | None = None, **options: Any) -> None:
+        self._runner = asyncio.Runner()
+        self._async: AsyncClient = self._runner.run(self._make(target, options))
+
+    @staticmethod
+    async def _make(target: str | None, options: dict[str, Any]) -> AsyncClient:
+        return AsyncClient(target, **options)  # the channel binds to the runner's loop
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._runner.run(self._async.close())
+        self._runner.close()
+
+    def _run(self, awaitable: Awaitable[T]) -> T:
+        async def wrapped() -> T:
+            return await awaitable
+
+        return self._runner.run(wrapped())
+
+    def _iterate(self, iterator: AsyncIterator[T]) -> Iterator[T]:
+        while True:
+            try:
+                yield self._run(anext(iterator))
+            except StopAsyncIteration:
+                return
+
+    def submit(
+        self,
+        spec: JobSpec | Mapping[str, Any] | None = None,
+        *,
+        idempotency_key: str = "",
+        **fields: Any,
+    ) -> Job:
+        return self._run(self._async.submit(spec, idempotency_key=idempotency_key, **fields))
+
+    def estimate(
+        self, spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any
+    ) -> pb.EstimateJobResponse:
+        return self._run(self._async.estimate(spec, **fields))
+
+    def submit_batch(self, specs: Sequence[JobSpec | Mapping[str, Any]]) -> builtins.list[Job]:
+        return self._run(self._async.submit_batch(specs))
+
+    def get(self, job_id: str) -> Job:
+        return self._run(self._async.get(job_id))
+
+    def cancel(self, job_id: str) -> Job:
+        return self._run(self._async.cancel(job_id))
+
+    def list(
+        self,
+        *,
+        states: Sequence[JobState] = (),
+        labels: Mapping[str, str] | None = None,
+        page_size: int = 100,
+    ) -> Iterator[Job]:
+        return self._iterate(self._async.list(states=states, labels=labels, page_size=page_size))
+
+    def events(self, job_id: str) -> builtins.list[JobEvent]:
+        return self._run(self._async.events(job_id))
+
+    def watch(self, job_id: str, *, after_event_id: int = 0) -> Iterator[WatchUpdate]:
+        return self._iterate(self._async.watch(job_id, after_event_id=after_event_id))
+
+    def upload_dir(self, directory: str | Path, *, prefix: str) -> builtins.list[str]:
+        return self._run(self._async.upload_dir(directory, prefix=prefix))
+
+    def upload_zip(self, path: str | Path, *, prefix: str) -> builtins.list[str]:
+        return self._run(self._async.upload_zip(path, prefix=prefix))
+
+    def upload_files(self, files: Sequence[TrainingFile], *, prefix: str) -> builtins.list[str]:
+        return self._run(self._async.upload_files(files, prefix=prefix))
+
+    def upload_url(
+        self, url: str, *, prefix: str, allow_http_loopback: bool = False
+    ) -> builtins.list[str]:
+        return self._run(
+            self._async.upload_url(url, prefix=prefix, allow_http_loopback=allow_http_loopback)
+        )
+
+    def artifacts(self, job_id: str) -> Artifacts:
+        return self._run(self._async.artifacts(job_id))
+
+    def webhook_deliveries(self, job_id: str) -> builtins.list[pb.WebhookDelivery]:
+        return self._run(self._async.webhook_deliveries(job_id))
+
+    def download_result(
+        self, job_id: str, destination: str | Path, *, fmt: str | None = None
+    ) -> Path:
+        return self._run(self._async.download_result(job_id, destination, fmt=fmt))
+
+    def download_checkpoint(self, job_id: str, step: int | None, destination: str | Path) -> Path:
+        return self._run(self._async.download_checkpoint(job_id, step, destination))

@@ -1,0 +1,296 @@
+"""Domain values shared by the scheduler, the SDK and the CLI (frozen, keyword-only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from lorafleet.core.spec import JobSpec
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELED = "CANCELED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELED)
+
+
+class FailureClass(enum.StrEnum):
+    NODE = "NODE"
+    INPUT = "INPUT"
+    INTERNAL = "INTERNAL"
+
+
+class EventKind(enum.StrEnum):
+    SUBMITTED = "SUBMITTED"
+    LEASE_GRANTED = "LEASE_GRANTED"
+    HEARTBEAT = "HEARTBEAT"
+    CHECKPOINT_COMMITTED = "CHECKPOINT_COMMITTED"
+    LEASE_EXPIRED = "LEASE_EXPIRED"
+    DRAINED = "DRAINED"
+    ATTEMPT_FAILED = "ATTEMPT_FAILED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELED = "CANCELED"
+    LEASE_RESUMED = "LEASE_RESUMED"
+    CHECKPOINT_DELETED = "CHECKPOINT_DELETED"
+    NOTICE = "NOTICE"
+    SAMPLES = "SAMPLES"
+    SAMPLES_FAILED = "SAMPLES_FAILED"
+    SAMPLES_STARTED = "SAMPLES_STARTED"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress:
+    step: int
+    max_steps: int
+    loss: float | None
+    learning_rate: float | None
+    seconds_per_step: float | None
+    machine_id: str | None
+    updated_at: datetime | None
+
+    @property
+    def eta_seconds(self) -> float | None:
+        if self.seconds_per_step is None:
+            return None
+        return max(0, self.max_steps - self.step) * self.seconds_per_step
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    step: int
+    epoch: int
+    key: str
+    size_bytes: int
+    sha256: str
+    committed_at: datetime | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobResult:
+    """The stored LoRA: the diffusers file, or the kohya one when the job's output_format is
+    kohya; with output_format both, `kohya` is the kohya file stored beside the diffusers one."""
+
+    key: str
+    size_bytes: int
+    sha256: str
+    kohya: JobResult | None = None
+
+    @property
+    def files(self) -> dict[str, JobResult]:
+        """Every result file by its format ("diffusers", "kohya")."""
+        out = {result_format(self.key): dataclasses.replace(self, kohya=None)}
+        if self.kohya is not None:
+            out["kohya"] = self.kohya
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    job_id: str
+    owner: str
+    spec: JobSpec
+    state: JobState
+    epoch: int
+    failures: int
+    progress: Progress
+    latest_checkpoint: Checkpoint | None
+    result: JobResult | None
+    error: str | None
+    failure_class: FailureClass | None
+    machine_id: str | None
+    lease_id: str | None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    traceparent: str | None = None
+    # Billable accelerator seconds over every lease; known on reads (get, list), else None.
+    gpu_seconds: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseRef:
+    """What a worker names a lease by: the fencing token (lease id, epoch)."""
+
+    lease_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobEvent:
+    event_id: int
+    job_id: str
+    kind: EventKind
+    at: datetime
+    machine_id: str | None = None
+    lease_id: str | None = None
+    epoch: int | None = None
+    step: int | None = None
+    loss: float | None = None
+    seconds_per_step: float | None = None
+    message: str | None = None
+    failure_class: FailureClass | None = None
+    state: JobState | None = None
+    checkpoint: Checkpoint | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qualification:
+    """What a worker reported about its node at Hello (stored with the machine as JSON)."""
+
+    passed: bool
+    detail: str
+    tflops: float
+    free_memory_mb: int
+    free_disk_mb: int
+    versions: Mapping[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "detail": self.detail,
+            "tflops": self.tflops,
+            "free_memory_mb": self.free_memory_mb,
+            "free_disk_mb": self.free_disk_mb,
+            "versions": dict(self.versions),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Machine:
+    machine_id: str
+    provider_instance_id: str
+    gpu_model: str
+    vram_mb: int
+    qualified: bool
+    version: str
+
+
+def checkpoint_key(job_id: str, step: int, epoch: int) -> str:
+    """DESIGN.md: `jobs/<job_id>/checkpoints/<step>-e<epoch>`: two epochs never collide."""
+    return f"jobs/{job_id}/checkpoints/{step}-e{epoch}"
+
+
+RESULT_FILE_NAMES = {
+    "diffusers": "pytorch_lora_weights.safetensors",
+    "kohya": "pytorch_lora_weights_kohya.safetensors",
+}
+
+
+def result_key(job_id: str, epoch: int, fmt: str = "diffusers") -> str:
+    # Per epoch, so a fenced-off stale holder can never overwrite the recorded result.
+    return f"jobs/{job_id}/result/e{epoch}/{RESULT_FILE_NAMES[fmt]}"
+
+
+def result_format(key: str) -> str:
+    """ "kohya" for a kohya-format result key, else "diffusers"."""
+    return "kohya" if key.endswith("/" + RESULT_FILE_NAMES["kohya"]) else "diffusers"
+
+
+def result_formats(output_format: str) -> tuple[str, ...]:
+    """The files a job's output_format asks for, the main one (JobUrls.result_upload) first."""
+    return {"diffusers": ("diffusers",), "kohya": ("kohya",)}.get(
+        output_format, ("diffusers", "kohya")
+    )
+
+
+def validation_image_key(job_id: str, step: int, epoch: int, index: int) -> str:
+    return f"jobs/{job_id}/validation/{step}-e{epoch}-{index}.png"
+
+
+def sample_image_key(
+    job_id: str, step: int, task_id: str, epoch: int, prompt_index: int, image_index: int
+) -> str:
+    """A validation image made by a sample task (issue 13): by step, then by the task's lease
+    epoch, so a fenced-off holder can never overwrite what the recorded one stored."""
+    return f"jobs/{job_id}/samples/{step}/{task_id}-e{epoch}/p{prompt_index}-i{image_index}.png"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleSettings:
+    """Everything a validation image depends on besides the LoRA weights: any worker given
+    the same settings and weights makes the same images (seeded CPU generators)."""
+
+    prompts: tuple[str, ...]
+    negative_prompt: str
+    guidance_scale: float
+    inference_steps: int
+    seed: int
+    resolution: int
+    images_per_prompt: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompts": list(self.prompts),
+            "negative_prompt": self.negative_prompt,
+            "guidance_scale": self.guidance_scale,
+            "inference_steps": self.inference_steps,
+            "seed": self.seed,
+            "resolution": self.resolution,
+            "images_per_prompt": self.images_per_prompt,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SampleSettings:
+        return cls(
+            prompts=tuple(str(p) for p in data["prompts"]),
+            negative_prompt=str(data.get("negative_prompt", "")),
+            guidance_scale=float(data["guidance_scale"]),
+            inference_steps=int(data["inference_steps"]),
+            seed=int(data["seed"]),
+            resolution=int(data["resolution"]),
+            images_per_prompt=int(data["images_per_prompt"]),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredImage:
+    prompt_index: int
+    image_index: int
+    key: str
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleTask:
+    """A job's validation images at one step, leased to a worker like a job (issue 13)."""
+
+    task_id: str
+    job_id: str
+    owner: str
+    step: int
+    weights_key: str
+    weights_sha256: str
+    weights_is_checkpoint: bool
+    settings: SampleSettings
+    state: str
+    epoch: int
+    lease_id: str | None
+    machine_id: str | None
+    failures: int = 0
+    images: tuple[StoredImage, ...] = ()
+    error: str | None = None
+    busy_seconds: float = 0.0
+    spec: JobSpec | None = None
+    traceparent: str | None = None
+
+
+def class_image_key(job_id: str, index: int) -> str:
+    return f"jobs/{job_id}/class_images/{index:05d}.png"
+
+
+def upload_key(owner: str, prefix: str, name: str = "") -> str:
+    """Where an owner's uploaded training data lives; specs name prefixes relative to it."""
+    base = f"uploads/{owner}/{prefix.strip('/')}"
+    return f"{base}/{name}" if name else f"{base}/"

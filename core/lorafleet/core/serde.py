@@ -1,0 +1,690 @@
+"""The one place that converts protos to domain values and back."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from lorafleet.core.errors import InvalidArgument
+from lorafleet.core.model import (
+    Checkpoint,
+    EventKind,
+    FailureClass,
+    Job,
+    JobEvent,
+    JobResult,
+    JobState,
+    LeaseRef,
+    Machine,
+    Progress,
+    Qualification,
+    SampleSettings,
+    SampleTask,
+    StoredImage,
+    checkpoint_key,
+    class_image_key,
+    result_formats,
+    result_key,
+    sample_image_key,
+)
+from lorafleet.core.spec import (
+    CaptionModeName,
+    JobSpec,
+    LrSchedulerName,
+    MixedPrecisionName,
+    OptimizerName,
+    OutputFormatName,
+    WebhookEventName,
+)
+from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from lorafleet.jobs.v1 import jobs_pb2 as pb
+
+_V = TypeVar("_V")
+
+LR_SCHEDULERS: dict[int, LrSchedulerName] = {
+    pb.LR_SCHEDULER_UNSPECIFIED: "constant",
+    pb.LR_SCHEDULER_CONSTANT: "constant",
+    pb.LR_SCHEDULER_CONSTANT_WITH_WARMUP: "constant_with_warmup",
+    pb.LR_SCHEDULER_LINEAR: "linear",
+    pb.LR_SCHEDULER_COSINE: "cosine",
+    pb.LR_SCHEDULER_COSINE_WITH_RESTARTS: "cosine_with_restarts",
+    pb.LR_SCHEDULER_POLYNOMIAL: "polynomial",
+}
+MIXED_PRECISIONS: dict[int, MixedPrecisionName] = {
+    pb.MIXED_PRECISION_UNSPECIFIED: "no",
+    pb.MIXED_PRECISION_NO: "no",
+    pb.MIXED_PRECISION_FP16: "fp16",
+    pb.MIXED_PRECISION_BF16: "bf16",
+}
+CAPTION_MODES: dict[int, CaptionModeName] = {
+    pb.CAPTION_MODE_UNSPECIFIED: "file_else_prompt",
+    pb.CAPTION_MODE_FILE_ELSE_PROMPT: "file_else_prompt",
+    pb.CAPTION_MODE_INSTANCE_PROMPT: "instance_prompt",
+}
+OPTIMIZERS: dict[int, OptimizerName] = {
+    pb.OPTIMIZER_UNSPECIFIED: "adamw",
+    pb.OPTIMIZER_ADAMW: "adamw",
+    pb.OPTIMIZER_ADAMW_8BIT: "adamw_8bit",
+    pb.OPTIMIZER_PRODIGY: "prodigy",
+}
+OUTPUT_FORMATS: dict[int, OutputFormatName] = {
+    pb.OUTPUT_FORMAT_UNSPECIFIED: "diffusers",
+    pb.OUTPUT_FORMAT_DIFFUSERS: "diffusers",
+    pb.OUTPUT_FORMAT_KOHYA: "kohya",
+    pb.OUTPUT_FORMAT_BOTH: "both",
+}
+WEBHOOK_EVENTS: dict[int, WebhookEventName] = {
+    pb.WEBHOOK_EVENT_CHECKPOINT: "checkpoint",
+    pb.WEBHOOK_EVENT_SUCCEEDED: "succeeded",
+    pb.WEBHOOK_EVENT_FAILED: "failed",
+    pb.WEBHOOK_EVENT_CANCELED: "canceled",
+    pb.WEBHOOK_EVENT_SAMPLES: "samples",
+}
+
+
+def _lookup(table: dict[int, _V], value: int, field: str) -> _V:
+    try:
+        return table[value]
+    except KeyError:
+        raise InvalidArgument(field, f"unknown enum value {value}") from None
+
+
+def _inverse(table: dict[int, _V]) -> dict[_V, int]:
+    # The UNSPECIFIED alias (0) maps to the same name as the explicit value; keep the explicit one.
+    out: dict[_V, int] = {}
+    for number, name in sorted(table.items()):
+        out[name] = number
+    return out
+
+
+# The spec's defaults, read from JobSpec itself: an unset `optional` proto field takes them.
+_SPEC_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(JobSpec) if f.default is not dataclasses.MISSING
+}
+
+
+# Spec fields with explicit presence (proto3 `optional`): unset takes JobSpec's default, a set
+# value is taken as given (a zero is honoured where it means something, else refused by the
+# spec's checks; never replaced by the default).
+# (Typed Any: mypy-protobuf types HasField by a Literal of the names.)
+_OPTIONAL: tuple[Any, ...] = (
+    "prior_loss_weight",
+    "num_class_images",
+    "learning_rate",
+    "text_encoder_learning_rate",
+    "gradient_accumulation_steps",
+    "lr_num_cycles",
+    "lr_power",
+    "train_batch_size",
+    "resolution",
+    "lora_rank",
+    "checkpointing_steps",
+    "base_model",
+    "max_failures",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_weight_decay",
+    "adam_epsilon",
+    "max_grad_norm",
+    "prodigy_d_coef",
+    "prodigy_safeguard_warmup",
+    "prodigy_use_bias_correction",
+    "repeats",
+    "validation_guidance_scale",
+    "validation_inference_steps",
+    "num_validation_images",
+)
+
+
+def spec_from_proto(msg: pb.JobSpec) -> JobSpec:
+    """Fills defaults for unset fields and validates; raises InvalidArgument naming the field."""
+    fields: dict[str, Any] = dict(
+        instance_prompt=msg.instance_prompt,
+        instance_data_prefix=msg.instance_data_prefix,
+        max_train_steps=msg.max_train_steps,
+        class_prompt=msg.class_prompt,
+        class_data_prefix=msg.class_data_prefix,
+        with_prior_preservation=msg.with_prior_preservation,
+        train_text_encoder=msg.train_text_encoder,
+        lr_scheduler=_lookup(LR_SCHEDULERS, msg.lr_scheduler, "lr_scheduler"),
+        lr_warmup_steps=msg.lr_warmup_steps,
+        gradient_checkpointing=msg.gradient_checkpointing,
+        use_8bit_adam=msg.use_8bit_adam,
+        mixed_precision=_lookup(MIXED_PRECISIONS, msg.mixed_precision, "mixed_precision"),
+        center_crop=msg.center_crop,
+        random_flip=msg.random_flip,
+        snr_gamma=msg.snr_gamma,
+        noise_offset=msg.noise_offset,
+        caption_mode=_lookup(CAPTION_MODES, msg.caption_mode, "caption_mode"),
+        validation_prompt=msg.validation_prompt,
+        validation_steps=msg.validation_steps,
+        seed=msg.seed,
+        vae_model=msg.vae_model,
+        min_vram_mb=msg.min_vram_mb,
+        priority=msg.priority,
+        labels=dict(msg.labels),
+        webhook_url=msg.webhook.url,
+        webhook_events=tuple(
+            _lookup(WEBHOOK_EVENTS, e, "webhook.events") for e in msg.webhook.events
+        ),
+        optimizer=_lookup(OPTIMIZERS, msg.optimizer, "optimizer"),
+        use_dora=msg.use_dora,
+        lora_dropout=msg.lora_dropout,
+        aspect_ratio_bucketing=msg.aspect_ratio_bucketing,
+        output_format=_lookup(OUTPUT_FORMATS, msg.output_format, "output_format"),
+        validation_prompts=tuple(msg.validation_prompts),
+        validation_negative_prompt=msg.validation_negative_prompt,
+    )
+    for name in _OPTIONAL:
+        fields[name] = getattr(msg, name) if msg.HasField(name) else _SPEC_DEFAULTS[name]
+    # Unset alpha follows the rank (alpha = rank: a LoRA scale of 1).
+    fields["lora_alpha"] = (
+        msg.lora_alpha if msg.HasField("lora_alpha") else float(fields["lora_rank"])
+    )
+    return JobSpec(**fields)
+
+
+def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
+    data = spec.to_dict()
+    webhook_url = data.pop("webhook_url")
+    webhook_events = data.pop("webhook_events")
+    labels = data.pop("labels")
+    data["lr_scheduler"] = _inverse(LR_SCHEDULERS)[spec.lr_scheduler]
+    data["mixed_precision"] = _inverse(MIXED_PRECISIONS)[spec.mixed_precision]
+    data["caption_mode"] = _inverse(CAPTION_MODES)[spec.caption_mode]
+    data["optimizer"] = _inverse(OPTIMIZERS)[spec.optimizer]
+    data["output_format"] = _inverse(OUTPUT_FORMATS)[spec.output_format]
+    msg = pb.JobSpec(**data, labels=labels)
+    if webhook_url:
+        inverse = _inverse(WEBHOOK_EVENTS)
+        msg.webhook.url = webhook_url
+        msg.webhook.events.extend(pb.WebhookEvent.ValueType(inverse[e]) for e in webhook_events)
+    return msg
+
+
+# Jobs and events ------------------------------------------------------------------------------
+
+JOB_STATES: dict[JobState, pb.JobState.ValueType] = {
+    JobState.QUEUED: pb.JOB_STATE_QUEUED,
+    JobState.RUNNING: pb.JOB_STATE_RUNNING,
+    JobState.SUCCEEDED: pb.JOB_STATE_SUCCEEDED,
+    JobState.FAILED: pb.JOB_STATE_FAILED,
+    JobState.CANCELED: pb.JOB_STATE_CANCELED,
+}
+FAILURE_CLASSES: dict[FailureClass, pb.FailureClass.ValueType] = {
+    FailureClass.NODE: pb.FAILURE_CLASS_NODE,
+    FailureClass.INPUT: pb.FAILURE_CLASS_INPUT,
+    FailureClass.INTERNAL: pb.FAILURE_CLASS_INTERNAL,
+}
+EVENT_KINDS: dict[EventKind, pb.JobEventKind.ValueType] = {
+    kind: pb.JobEventKind.Value(f"JOB_EVENT_KIND_{kind.value}") for kind in EventKind
+}
+
+
+def timestamp(value: datetime | None) -> Timestamp | None:
+    if value is None:
+        return None
+    ts = Timestamp()
+    ts.FromDatetime(value)
+    return ts
+
+
+def from_timestamp(ts: Timestamp) -> datetime | None:
+    if ts.seconds == 0 and ts.nanos == 0:
+        return None
+    return ts.ToDatetime(tzinfo=UTC)
+
+
+def job_state_from_proto(value: int, field: str) -> JobState:
+    for state, number in JOB_STATES.items():
+        if number == value:
+            return state
+    raise InvalidArgument(field, f"unknown job state {value}")
+
+
+def failure_class_from_proto(value: int, field: str) -> FailureClass:
+    for cls, number in FAILURE_CLASSES.items():
+        if number == value:
+            return cls
+    raise InvalidArgument(field, f"must be NODE, INPUT or INTERNAL (got {value})")
+
+
+def checkpoint_to_proto(checkpoint: Checkpoint) -> pb.Checkpoint:
+    return pb.Checkpoint(
+        step=checkpoint.step,
+        epoch=checkpoint.epoch,
+        key=checkpoint.key,
+        size_bytes=checkpoint.size_bytes,
+        sha256=checkpoint.sha256,
+        committed_at=timestamp(checkpoint.committed_at),
+    )
+
+
+def job_to_proto(job: Job) -> pb.Job:
+    progress = job.progress
+    msg = pb.Job(
+        job_id=job.job_id,
+        spec=spec_to_proto(job.spec),
+        state=JOB_STATES[job.state],
+        epoch=job.epoch,
+        failures=job.failures,
+        progress=pb.Progress(
+            step=progress.step,
+            max_steps=progress.max_steps,
+            loss=progress.loss or 0.0,
+            learning_rate=progress.learning_rate or 0.0,
+            seconds_per_step=progress.seconds_per_step or 0.0,
+            eta_seconds=progress.eta_seconds or 0.0,
+            machine_id=progress.machine_id or "",
+            updated_at=timestamp(progress.updated_at),
+        ),
+        error=job.error or "",
+        created_at=timestamp(job.created_at),
+        updated_at=timestamp(job.updated_at),
+        finished_at=timestamp(job.finished_at),
+        machine_id=job.machine_id or "",
+        gpu_seconds=job.gpu_seconds or 0.0,
+    )
+    if job.latest_checkpoint is not None:
+        msg.latest_checkpoint.CopyFrom(checkpoint_to_proto(job.latest_checkpoint))
+    if job.result is not None:
+        msg.result.CopyFrom(result_to_proto(job.result))
+    if job.failure_class is not None:
+        msg.failure_class = FAILURE_CLASSES[job.failure_class]
+    return msg
+
+
+def result_to_proto(result: JobResult) -> pb.JobResult:
+    msg = pb.JobResult(key=result.key, size_bytes=result.size_bytes, sha256=result.sha256)
+    if result.kohya is not None:
+        msg.kohya.CopyFrom(result_to_proto(result.kohya))
+    return msg
+
+
+def result_from_proto(msg: pb.JobResult) -> JobResult:
+    return JobResult(
+        key=msg.key,
+        size_bytes=msg.size_bytes,
+        sha256=msg.sha256,
+        kohya=result_from_proto(msg.kohya) if msg.HasField("kohya") else None,
+    )
+
+
+def event_to_proto(event: JobEvent) -> pb.JobEvent:
+    msg = pb.JobEvent(
+        event_id=event.event_id,
+        job_id=event.job_id,
+        kind=EVENT_KINDS[event.kind],
+        at=timestamp(event.at),
+        machine_id=event.machine_id or "",
+        lease_id=event.lease_id or "",
+        epoch=event.epoch or 0,
+        step=event.step or 0,
+        loss=event.loss or 0.0,
+        seconds_per_step=event.seconds_per_step or 0.0,
+        message=event.message or "",
+    )
+    if event.failure_class is not None:
+        msg.failure_class = FAILURE_CLASSES[event.failure_class]
+    if event.state is not None:
+        msg.state = JOB_STATES[event.state]
+    if event.checkpoint is not None:
+        msg.checkpoint.CopyFrom(checkpoint_to_proto(event.checkpoint))
+    return msg
+
+
+def _state_from(value: int) -> JobState | None:
+    return next((s for s, n in JOB_STATES.items() if n == value), None)
+
+
+def _failure_from(value: int) -> FailureClass | None:
+    return next((c for c, n in FAILURE_CLASSES.items() if n == value), None)
+
+
+def checkpoint_from_proto(msg: pb.Checkpoint) -> Checkpoint:
+    return Checkpoint(
+        step=msg.step,
+        epoch=msg.epoch,
+        key=msg.key,
+        size_bytes=msg.size_bytes,
+        sha256=msg.sha256,
+        committed_at=from_timestamp(msg.committed_at),
+    )
+
+
+def job_from_proto(msg: pb.Job) -> Job:
+    """The client side of `job_to_proto` (the owner is implied by the caller's key)."""
+    state = _state_from(msg.state)
+    if state is None:
+        raise ValueError(f"unknown job state {msg.state}")
+    created = from_timestamp(msg.created_at)
+    updated = from_timestamp(msg.updated_at)
+    assert created is not None and updated is not None
+    p = msg.progress
+    return Job(
+        job_id=msg.job_id,
+        owner="",
+        spec=spec_from_proto(msg.spec),
+        state=state,
+        epoch=msg.epoch,
+        failures=msg.failures,
+        progress=Progress(
+            step=p.step,
+            max_steps=p.max_steps,
+            loss=p.loss if p.updated_at.seconds else None,
+            learning_rate=p.learning_rate if p.updated_at.seconds else None,
+            seconds_per_step=p.seconds_per_step if p.updated_at.seconds else None,
+            machine_id=p.machine_id or None,
+            updated_at=from_timestamp(p.updated_at),
+        ),
+        latest_checkpoint=(
+            checkpoint_from_proto(msg.latest_checkpoint)
+            if msg.HasField("latest_checkpoint")
+            else None
+        ),
+        result=result_from_proto(msg.result) if msg.HasField("result") else None,
+        error=msg.error or None,
+        failure_class=_failure_from(msg.failure_class),
+        machine_id=msg.machine_id or None,
+        lease_id=None,
+        created_at=created,
+        updated_at=updated,
+        finished_at=from_timestamp(msg.finished_at),
+        gpu_seconds=msg.gpu_seconds,
+    )
+
+
+def event_from_proto(msg: pb.JobEvent) -> JobEvent:
+    kind = next(k for k, n in EVENT_KINDS.items() if n == msg.kind)
+    at = from_timestamp(msg.at)
+    assert at is not None
+    return JobEvent(
+        event_id=msg.event_id,
+        job_id=msg.job_id,
+        kind=kind,
+        at=at,
+        machine_id=msg.machine_id or None,
+        lease_id=msg.lease_id or None,
+        epoch=msg.epoch or None,
+        step=msg.step or None,
+        loss=msg.loss or None,
+        seconds_per_step=msg.seconds_per_step or None,
+        message=msg.message or None,
+        failure_class=_failure_from(msg.failure_class),
+        state=_state_from(msg.state),
+        checkpoint=checkpoint_from_proto(msg.checkpoint) if msg.HasField("checkpoint") else None,
+    )
+
+
+# Worker messages (WorkerService.Connect) ------------------------------------------------------
+# Every check of a worker's message lives here: the sessions act only on values that passed.
+
+_MACHINE_ID = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_LEASE_ID_CHARS = 64
+MAX_WORKER_TEXT_CHARS = 256
+
+
+def finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def lease_ref_from_proto(ref: fpb.LeaseRef, field: str) -> LeaseRef:
+    if not ref.lease_id:
+        raise InvalidArgument(f"{field}.lease_id", "is required")
+    if len(ref.lease_id) > MAX_LEASE_ID_CHARS:
+        raise InvalidArgument(f"{field}.lease_id", f"at most {MAX_LEASE_ID_CHARS} characters")
+    if ref.epoch <= 0:
+        raise InvalidArgument(f"{field}.epoch", "must be positive")
+    return LeaseRef(lease_id=ref.lease_id, epoch=ref.epoch)
+
+
+def lease_ref_to_proto(ref: LeaseRef) -> fpb.LeaseRef:
+    return fpb.LeaseRef(lease_id=ref.lease_id, epoch=ref.epoch)
+
+
+def machine_from_hello(hello: fpb.Hello) -> Machine:
+    if not _MACHINE_ID.fullmatch(hello.machine_id):
+        raise InvalidArgument("hello.machine_id", "must match [A-Za-z0-9_.:@-]{1,128}")
+    if hello.vram_mb < 0:
+        raise InvalidArgument("hello.vram_mb", "must not be negative")
+    for name, value in (
+        ("provider_instance_id", hello.provider_instance_id),
+        ("gpu_model", hello.gpu_model),
+        ("version", hello.version),
+    ):
+        if len(value) > MAX_WORKER_TEXT_CHARS or "\x00" in value:
+            raise InvalidArgument(
+                f"hello.{name}", f"at most {MAX_WORKER_TEXT_CHARS} characters, no NUL"
+            )
+    return Machine(
+        machine_id=hello.machine_id,
+        provider_instance_id=hello.provider_instance_id,
+        gpu_model=hello.gpu_model,
+        vram_mb=hello.vram_mb,
+        qualified=hello.qualification.passed,
+        version=hello.version,
+    )
+
+
+MAX_QUALIFICATION_DETAIL_CHARS = 2_000
+MAX_VERSIONS = 32
+MAX_SECRET_CHARS = 128
+
+
+def qualification_from_hello(hello: fpb.Hello) -> Qualification:
+    q = hello.qualification
+    if len(q.detail) > MAX_QUALIFICATION_DETAIL_CHARS:
+        raise InvalidArgument(
+            "hello.qualification.detail", f"at most {MAX_QUALIFICATION_DETAIL_CHARS} characters"
+        )
+    if len(q.versions) > MAX_VERSIONS:
+        raise InvalidArgument("hello.qualification.versions", f"at most {MAX_VERSIONS} entries")
+    for name, version in q.versions.items():
+        if len(name) > 64 or len(version) > 128:
+            raise InvalidArgument(
+                f"hello.qualification.versions[{name[:64]!r}]",
+                "names at most 64 characters, versions at most 128",
+            )
+    for field, value in (
+        ("held_lease_secret", hello.held_lease_secret),
+        ("session_token", hello.session_token),
+    ):
+        if len(value) > MAX_SECRET_CHARS:
+            raise InvalidArgument(f"hello.{field}", f"at most {MAX_SECRET_CHARS} characters")
+    return Qualification(
+        passed=q.passed,
+        detail=q.detail.replace("\x00", ""),
+        tflops=q.tflops if math.isfinite(q.tflops) else 0.0,
+        free_memory_mb=q.free_memory_mb,
+        free_disk_mb=q.free_disk_mb,
+        versions=dict(q.versions),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeartbeatReport:
+    lease: LeaseRef | None  # None: an idle worker saying it is alive
+    step: int
+    loss: float | None
+    learning_rate: float | None
+    seconds_per_step: float | None
+
+
+def heartbeat_from_proto(hb: fpb.Heartbeat) -> HeartbeatReport:
+    lease = lease_ref_from_proto(hb.lease, "heartbeat.lease") if hb.lease.lease_id else None
+    if hb.step < 0:
+        raise InvalidArgument("heartbeat.step", "must not be negative")
+    return HeartbeatReport(
+        lease=lease,
+        step=hb.step,
+        loss=finite_or_none(hb.loss),
+        learning_rate=finite_or_none(hb.learning_rate),
+        seconds_per_step=finite_or_none(hb.seconds_per_step),
+    )
+
+
+def upload_slot_key(
+    slot: fpb.UploadSlot, job_id: str, epoch: int, spec: JobSpec, field: str
+) -> str:
+    """The one key a slot of this lease may write (the worker names no keys itself), within
+    what the job can produce: steps up to max_train_steps, class images up to
+    num_class_images (with prior preservation only)."""
+    if not 0 <= slot.step <= spec.max_train_steps:
+        raise InvalidArgument(
+            f"{field}.step", f"must be 0 to max_train_steps ({spec.max_train_steps})"
+        )
+    if slot.index < 0:
+        raise InvalidArgument(f"{field}.index", "must not be negative")
+    if slot.kind == fpb.ARTIFACT_KIND_CHECKPOINT:
+        if slot.step == 0:
+            raise InvalidArgument(f"{field}.step", "a checkpoint's step must be positive")
+        return checkpoint_key(job_id, slot.step, epoch)
+    if slot.kind == fpb.ARTIFACT_KIND_VALIDATION_IMAGE:
+        # Validation images are made by sample tasks, each writing only its own keys: a
+        # training lease stores none (nor could it fill the job's prefix with them).
+        raise InvalidArgument(
+            f"{field}.kind", "validation images are stored by sample tasks, not training leases"
+        )
+    if slot.kind == fpb.ARTIFACT_KIND_CLASS_IMAGE:
+        if not spec.with_prior_preservation:
+            raise InvalidArgument(f"{field}.kind", "the job trains without prior preservation")
+        if slot.index >= spec.num_class_images:
+            raise InvalidArgument(
+                f"{field}.index", f"must be below num_class_images ({spec.num_class_images})"
+            )
+        return class_image_key(job_id, slot.index)
+    raise InvalidArgument(f"{field}.kind", "unknown artifact kind")
+
+
+def _check_object(field: str, size_bytes: int, sha256: str) -> None:
+    if size_bytes <= 0:
+        raise InvalidArgument(f"{field}.size_bytes", "must be positive")
+    if not _SHA256.fullmatch(sha256):
+        raise InvalidArgument(f"{field}.sha256", "must be 64 lowercase hex digits")
+
+
+def checkpoint_from_commit(msg: fpb.CheckpointCommitted, job_id: str | None) -> Checkpoint:
+    """The checkpoint a CheckpointCommitted announces; its key is checked against `job_id`'s
+    (None: the sender holds no such lease, so only the fields are checked)."""
+    if msg.step <= 0:
+        raise InvalidArgument("checkpoint_committed.step", "must be positive")
+    _check_object("checkpoint_committed", msg.size_bytes, msg.sha256)
+    expected = checkpoint_key(job_id or "", msg.step, msg.lease.epoch)
+    if job_id is not None and msg.key != expected:
+        raise InvalidArgument("checkpoint_committed.key", f"must be {expected!r}")
+    return Checkpoint(
+        step=msg.step,
+        epoch=msg.lease.epoch,
+        key=msg.key,
+        size_bytes=msg.size_bytes,
+        sha256=msg.sha256,
+    )
+
+
+def result_from_success(
+    msg: fpb.JobSucceeded, job_id: str | None, output_format: str = "diffusers"
+) -> JobResult:
+    """The result a JobSucceeded announces (the key checked as in `checkpoint_from_commit`):
+    the file of the job's main format at its key, and with output_format both the kohya file
+    at its own; a kohya file the job did not ask for is refused."""
+    _check_object("job_succeeded", msg.size_bytes, msg.sha256)
+    main, *others = result_formats(output_format)
+    expected = result_key(job_id or "", msg.lease.epoch, main)
+    if job_id is not None and msg.key != expected:
+        raise InvalidArgument("job_succeeded.key", f"must be {expected!r}")
+    kohya = None
+    if msg.HasField("kohya"):
+        _check_object("job_succeeded.kohya", msg.kohya.size_bytes, msg.kohya.sha256)
+        expected = result_key(job_id or "", msg.lease.epoch, "kohya")
+        if job_id is not None and "kohya" not in others:
+            raise InvalidArgument(
+                "job_succeeded.kohya", f"the job's output_format is {output_format}"
+            )
+        if job_id is not None and msg.kohya.key != expected:
+            raise InvalidArgument("job_succeeded.kohya.key", f"must be {expected!r}")
+        if msg.kohya.HasField("kohya"):
+            raise InvalidArgument("job_succeeded.kohya.kohya", "must be empty")
+        kohya = JobResult(
+            key=msg.kohya.key, size_bytes=msg.kohya.size_bytes, sha256=msg.kohya.sha256
+        )
+    elif job_id is not None and others:
+        raise InvalidArgument("job_succeeded.kohya", "is required by output_format both")
+    return JobResult(key=msg.key, size_bytes=msg.size_bytes, sha256=msg.sha256, kohya=kohya)
+
+
+def worker_text(value: str, max_chars: int) -> str:
+    """Free text from a worker (a reason, an error), cut and without NULs, fit for the ledger."""
+    return value.replace("\x00", "")[:max_chars]
+
+
+# Sample tasks (issue 13) ----------------------------------------------------------------------
+
+
+def sample_settings_to_proto(settings: SampleSettings) -> fpb.SampleSettings:
+    return fpb.SampleSettings(
+        prompts=list(settings.prompts),
+        negative_prompt=settings.negative_prompt,
+        guidance_scale=settings.guidance_scale,
+        inference_steps=settings.inference_steps,
+        seed=settings.seed,
+        resolution=settings.resolution,
+        images_per_prompt=settings.images_per_prompt,
+    )
+
+
+def sample_settings_from_proto(msg: fpb.SampleSettings) -> SampleSettings:
+    return SampleSettings(
+        prompts=tuple(msg.prompts),
+        negative_prompt=msg.negative_prompt,
+        guidance_scale=msg.guidance_scale,
+        inference_steps=msg.inference_steps,
+        seed=msg.seed,
+        resolution=msg.resolution,
+        images_per_prompt=msg.images_per_prompt,
+    )
+
+
+def sample_slots(settings: SampleSettings) -> list[tuple[int, int]]:
+    """(prompt index, image index) of every image a task makes, prompts first."""
+    return [(p, i) for p in range(len(settings.prompts)) for i in range(settings.images_per_prompt)]
+
+
+def stored_images_from_proto(msg: fpb.SamplesStored, task: SampleTask | None) -> list[StoredImage]:
+    """The images a SamplesStored announces, each checked against the task's own keys (None:
+    the sender holds no such task, so only the fields are checked)."""
+    expected: dict[tuple[int, int], str] = {}
+    if task is not None:
+        expected = {
+            (p, i): sample_image_key(task.job_id, task.step, task.task_id, task.epoch, p, i)
+            for p, i in sample_slots(task.settings)
+        }
+    images: list[StoredImage] = []
+    seen: set[tuple[int, int]] = set()
+    for n, image in enumerate(msg.images):
+        field = f"samples_stored.images[{n}]"
+        _check_object(field, image.size_bytes, image.sha256)
+        slot = (image.prompt_index, image.image_index)
+        if task is not None and expected.get(slot) != image.key:
+            raise InvalidArgument(f"{field}.key", "is not one of the task's image keys")
+        if slot in seen:
+            raise InvalidArgument(f"{field}", "names an image twice")
+        seen.add(slot)
+        images.append(
+            StoredImage(
+                prompt_index=image.prompt_index,
+                image_index=image.image_index,
+                key=image.key,
+                size_bytes=image.size_bytes,
+                sha256=image.sha256,
+            )
+        )
+    if task is not None and seen != set(expected):
+        raise InvalidArgument("samples_stored.images", f"must name all {len(expected)} images")
+    return images

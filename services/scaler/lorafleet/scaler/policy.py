@@ -1,0 +1,523 @@
+"""The scaler's policy: pure functions from a snapshot of the fleet to a list of decisions.
+
+Nothing here talks to a provider, the ledger or the clock: `decide(snapshot, config)` reads a
+frozen `Snapshot` (instances from the provider, node facts and job counts from the ledger, the
+scaler's own recent actions) and returns `Decision`s, each with its action, its target, a
+sentence for an operator and the figures behind it. The service loop applies them (or prints
+them, with `--dry-run`) and records them in the ledger, where the next snapshot finds them as
+`recent_actions`: that is how cooldowns, hold-offs and the reallocation rate limit see the past.
+
+The rules, in the order they claim the reallocation budget:
+
+1. **Bad node**: node faults at or past `fault_threshold` within `fault_window_s`, or a failed
+   qualification probe: the node's instance is reallocated (Salad) / replaced (EC2) /
+   restarted in a fresh slot (local).
+2. **No stranded job**: a queued job that every live instance's machine is banned from gets a
+   node: an idle banned instance is reallocated (it comes back on another machine), else a
+   replica is added (below `max_replicas`), else the job waits for a busy node to finish.
+3. **Slow node**: past `slow_warmup_steps` on its job, a node whose seconds per step exceeds
+   its peers' mean (same job shape: resolution, batch, text-encoder training, GPU class) by
+   more than `slow_stddevs` standard deviations, and by at least `slow_min_excess` of the mean
+   (identical peers have no spread; a 1% difference is not "slow"), with at least
+   `slow_min_samples` peer samples: its lease is dropped (the job is re-queued from its
+   checkpoint, the machine banned for it) and its instance reallocated.
+4. **Replicas follow the work**: queued + running jobs, clamped to [min, max], against the
+   provider's replica count (instances still starting count). Growth is immediate, by at most
+   `max_step` per tick. Shrinking waits `cooldown_s` after any scale action, and, when there
+   is no work at all, `idle_grace_s` after the work ended; it removes idle instances only
+   (bad ones first, then those banned from every queued job, then those still starting, then
+   ready idle ones) and never a node holding a lease.
+5. **Deletion cost** (SaladCloud): `busy_deletion_cost` while a node holds a lease,
+   `idle_deletion_cost` otherwise, so that a scale-in the provider carries out by itself
+   still removes idle nodes first.
+
+Reallocations are rate-limited: at most max(`reallocate_min_per_window`,
+floor(`reallocate_share` x fleet)) per `reallocate_window_s`, so that a wave of faults cannot
+drain the fleet, while a fleet of one can still heal; and one instance is not reallocated
+again within `reallocate_holdoff_s` (its old node's facts linger while it moves). A rule that
+wants to act but is held back says so with a `HOLD` decision (no provider call), so that an
+operator sees why nothing happened.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from lorafleet.scaler.provider import LIVE_STATES, Instance, InstanceState
+
+FLEET = "fleet"
+
+Figure = int | float | str
+
+
+class Action(enum.StrEnum):
+    SCALE = "scale"
+    REALLOCATE = "reallocate"
+    RESTART = "restart"
+    DROP_LEASE = "drop_lease"
+    SET_DELETION_COST = "set_deletion_cost"
+    # A rule wanted to act and a limit held it back: nothing is done, the reason is recorded.
+    HOLD = "hold"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyConfig:
+    min_replicas: int = 0
+    max_replicas: int = 10
+    idle_grace_s: float = 600.0
+    cooldown_s: float = 300.0
+    max_step: int = 10
+    fault_threshold: int = 3
+    fault_window_s: float = 3600.0
+    slow_warmup_steps: int = 20
+    slow_stddevs: float = 2.0
+    slow_min_samples: int = 3
+    slow_min_excess: float = 0.25
+    reallocate_share: float = 0.1
+    reallocate_window_s: float = 3600.0
+    reallocate_min_per_window: int = 1
+    reallocate_holdoff_s: float = 900.0
+    busy_deletion_cost: int = 100_000
+    idle_deletion_cost: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError("need 0 <= min_replicas <= max_replicas")
+        if self.max_step < 1 or self.fault_threshold < 1 or self.slow_min_samples < 2:
+            raise ValueError("max_step, fault_threshold >= 1 and slow_min_samples >= 2")
+        if not 0.0 <= self.reallocate_share <= 1.0 or self.reallocate_min_per_window < 0:
+            raise ValueError("reallocate_share in [0, 1], reallocate_min_per_window >= 0")
+        if not 0 <= self.idle_deletion_cost < self.busy_deletion_cost <= 100_000:
+            raise ValueError("need 0 <= idle_deletion_cost < busy_deletion_cost <= 100000")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobShape:
+    """What makes two jobs' seconds per step comparable."""
+
+    resolution: int
+    batch_size: int
+    train_text_encoder: bool
+    gpu_class: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSample:
+    """One node's pace on one job: seconds per step over the steps it ran past warm-up."""
+
+    job_id: str
+    shape: JobShape
+    seconds_per_step: float
+    # Steps this node has run on this job (a sample counts once past the warm-up).
+    steps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeView:
+    machine_id: str
+    # As the worker reported it (shown to operators); instances are joined by machine id.
+    instance_id: str | None = None
+    gpu_class: str = ""
+    # The qualification probe's result; None until the node has run it.
+    qualified: bool | None = None
+    # The job this node holds a lease on; None when idle.
+    lease_job_id: str | None = None
+    fault_times: tuple[float, ...] = ()
+    samples: tuple[StepSample, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueuedJob:
+    job_id: str
+    banned_machines: frozenset[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PastAction:
+    at: float
+    action: Action
+    target: str
+    job_id: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Snapshot:
+    now: float
+    # The desired count the provider holds (`Provider.replicas()`).
+    replicas: int
+    instances: tuple[Instance, ...] = ()
+    nodes: tuple[NodeView, ...] = ()
+    queued_jobs: int = 0
+    # The queued jobs that have at least one banned machine (the others fit any node).
+    banned_queued: tuple[QueuedJob, ...] = ()
+    running_jobs: int = 0
+    # When queued + running last became 0; None while there is work.
+    idle_since: float | None = None
+    recent_actions: tuple[PastAction, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    action: Action
+    # FLEET for SCALE; an instance id; a machine id for DROP_LEASE.
+    target: str
+    reason: str
+    figures: Mapping[str, Figure] = field(default_factory=dict)
+    replicas: int | None = None
+    remove: tuple[str, ...] = ()
+    job_id: str | None = None
+    deletion_cost: int | None = None
+
+
+# -- the rules ---------------------------------------------------------------------------------
+
+
+def decide(snapshot: Snapshot, config: PolicyConfig) -> list[Decision]:
+    """Every decision for this tick, in the order they should be applied."""
+    fleet = _Fleet(snapshot, config)
+    decisions: list[Decision] = []
+    decisions += _bad_nodes(fleet)
+    stranded_extra, stranded = _stranded_jobs(fleet)
+    decisions += stranded
+    decisions += _slow_nodes(fleet)
+    decisions += _scale(fleet, stranded_extra)
+    decisions += _deletion_costs(fleet)
+    return decisions
+
+
+class _Fleet:
+    """The snapshot with its joins done once: instance <-> node, live set, the budget."""
+
+    def __init__(self, snapshot: Snapshot, config: PolicyConfig) -> None:
+        self.s = snapshot
+        self.c = config
+        self.live = [i for i in snapshot.instances if i.state in LIVE_STATES]
+        # Joined by machine id, never by instance id: a reallocated SaladCloud instance keeps
+        # its id on a new machine, and the old machine's facts must not follow it there.
+        by_machine = {n.machine_id: n for n in snapshot.nodes}
+        self.node_of: dict[str, NodeView] = {}
+        for inst in snapshot.instances:
+            node = by_machine.get(inst.machine_id) if inst.machine_id else None
+            if node is not None:
+                self.node_of[inst.instance_id] = node
+        self.instance_of = {n.machine_id: i for i, n in self.node_of.items()}
+        # Instances this tick sends elsewhere (they come back on a fresh machine).
+        self.moving: set[str] = set()
+        self.bad: set[str] = set()
+        window_start = snapshot.now - config.reallocate_window_s
+        self.reallocations_used = sum(
+            1
+            for a in snapshot.recent_actions
+            if a.action is Action.REALLOCATE and a.at >= window_start
+        )
+        size = max(len(self.live), snapshot.replicas)
+        self.reallocations_allowed = max(
+            config.reallocate_min_per_window, math.floor(config.reallocate_share * size)
+        )
+
+    def machine(self, inst: Instance) -> str:
+        node = self.node_of.get(inst.instance_id)
+        return node.machine_id if node else inst.machine_id
+
+    def busy(self, inst: Instance) -> bool:
+        node = self.node_of.get(inst.instance_id)
+        return node is not None and node.lease_job_id is not None
+
+    def last(self, action: Action, target: str, job_id: str | None = None) -> float | None:
+        times = [
+            a.at
+            for a in self.s.recent_actions
+            if a.action is action and a.target == target and (job_id is None or a.job_id == job_id)
+        ]
+        return max(times) if times else None
+
+    def held_off(self, instance_id: str) -> bool:
+        """Reallocated within the hold-off: it is still moving; its old facts linger."""
+        at = self.last(Action.REALLOCATE, instance_id)
+        return at is not None and self.s.now - at < self.c.reallocate_holdoff_s
+
+    def budget_figures(self) -> dict[str, Figure]:
+        return {
+            "reallocations_in_window": self.reallocations_used,
+            "reallocations_allowed": self.reallocations_allowed,
+            "window_s": self.c.reallocate_window_s,
+        }
+
+    def reallocate(self, inst: Instance, reason: str, figures: dict[str, Figure]) -> Decision:
+        """A REALLOCATE if the budget allows, else a HOLD saying so."""
+        if self.reallocations_used >= self.reallocations_allowed:
+            return Decision(
+                action=Action.HOLD,
+                target=inst.instance_id,
+                reason=f"{reason}; reallocation deferred: rate limit reached",
+                figures={**figures, **self.budget_figures()},
+            )
+        self.reallocations_used += 1
+        self.moving.add(inst.instance_id)
+        return Decision(
+            action=Action.REALLOCATE,
+            target=inst.instance_id,
+            reason=reason,
+            figures={**figures, **self.budget_figures()},
+        )
+
+    def live_with_nodes(self) -> Iterable[tuple[Instance, NodeView]]:
+        for inst in sorted(self.live, key=lambda i: i.instance_id):
+            node = self.node_of.get(inst.instance_id)
+            if node is not None:
+                yield inst, node
+
+
+def _bad_nodes(fleet: _Fleet) -> list[Decision]:
+    out = []
+    s, c = fleet.s, fleet.c
+    for inst, node in fleet.live_with_nodes():
+        recent = [t for t in node.fault_times if s.now - t <= c.fault_window_s]
+        if node.qualified is False:
+            reason = f"node {node.machine_id} failed its qualification probe"
+        elif len(recent) >= c.fault_threshold:
+            reason = (
+                f"node {node.machine_id} had {len(recent)} node faults in"
+                f" {c.fault_window_s:g} s (threshold {c.fault_threshold})"
+            )
+        else:
+            continue
+        fleet.bad.add(inst.instance_id)
+        if fleet.held_off(inst.instance_id):
+            continue
+        figures: dict[str, Figure] = {
+            "machine_id": node.machine_id,
+            "faults_in_window": len(recent),
+            "fault_threshold": c.fault_threshold,
+            "fault_window_s": c.fault_window_s,
+            "qualified": "no" if node.qualified is False else "yes",
+        }
+        out.append(fleet.reallocate(inst, reason, figures))
+    return out
+
+
+def _stranded_jobs(fleet: _Fleet) -> tuple[int, list[Decision]]:
+    """(replicas to add, decisions) for queued jobs every live machine is banned from."""
+    s = fleet.s
+    if not fleet.live:
+        return 0, []  # nothing runs: the replica rule starts fresh machines
+    for job in sorted(s.banned_queued, key=lambda j: j.job_id):
+        # A moving instance, or one not yet placed on a machine, may serve the job.
+        if any(
+            i.instance_id in fleet.moving
+            or fleet.held_off(i.instance_id)
+            or not fleet.machine(i)
+            or fleet.machine(i) not in job.banned_machines
+            for i in fleet.live
+        ):
+            continue
+        figures: dict[str, Figure] = {
+            "job_id": job.job_id,
+            "live_instances": len(fleet.live),
+            "banned_machines": len(job.banned_machines),
+        }
+        reason = f"job {job.job_id} is banned from every live node"
+        idle = sorted(
+            (i for i in fleet.live if i.state is InstanceState.RUNNING and not fleet.busy(i)),
+            key=lambda i: i.instance_id,
+        )
+        if idle and fleet.reallocations_used < fleet.reallocations_allowed:
+            return 0, [fleet.reallocate(idle[0], f"{reason}: moving an idle one", figures)]
+        if s.replicas < fleet.c.max_replicas:
+            return 1, []  # the replica rule adds one and names the job
+        return 0, [
+            Decision(
+                action=Action.HOLD,
+                target=job.job_id,
+                reason=f"{reason}; at max replicas and none idle (or reallocations"
+                " rate-limited): it waits for a node to finish",
+                figures={**figures, "max_replicas": fleet.c.max_replicas},
+            )
+        ]
+    return 0, []
+
+
+def _slow_nodes(fleet: _Fleet) -> list[Decision]:
+    s, c = fleet.s, fleet.c
+    warm = [
+        (node.machine_id, sample)
+        for node in s.nodes
+        for sample in node.samples
+        if sample.steps >= c.slow_warmup_steps
+    ]
+    out: list[Decision] = []
+    for inst, node in fleet.live_with_nodes():
+        job_id = node.lease_job_id
+        if job_id is None or inst.instance_id in fleet.moving:
+            continue
+        mine = [x for m, x in warm if m == node.machine_id and x.job_id == job_id]
+        if not mine:
+            continue
+        sample = max(mine, key=lambda x: x.steps)
+        peers = [
+            x.seconds_per_step for m, x in warm if m != node.machine_id and x.shape == sample.shape
+        ]
+        if len(peers) < c.slow_min_samples:
+            continue
+        mean = statistics.fmean(peers)
+        stdev = statistics.stdev(peers)
+        limit = max(mean + c.slow_stddevs * stdev, mean * (1.0 + c.slow_min_excess))
+        if sample.seconds_per_step <= limit:
+            continue
+        dropped = fleet.last(Action.DROP_LEASE, node.machine_id, job_id)
+        if dropped is not None and s.now - dropped < c.cooldown_s:
+            continue  # already asked; the ledger has not caught up yet
+        figures: dict[str, Figure] = {
+            "machine_id": node.machine_id,
+            "job_id": job_id,
+            "seconds_per_step": round(sample.seconds_per_step, 4),
+            "peer_mean_s": round(mean, 4),
+            "peer_stdev_s": round(stdev, 4),
+            "limit_s": round(limit, 4),
+            "peer_samples": len(peers),
+            "steps": sample.steps,
+        }
+        reason = (
+            f"node {node.machine_id} takes {sample.seconds_per_step:.3g} s/step on job"
+            f" {job_id}, past {limit:.3g} s (peers {mean:.3g} ± {stdev:.3g} s over"
+            f" {len(peers)} samples)"
+        )
+        out.append(
+            Decision(
+                action=Action.DROP_LEASE,
+                target=node.machine_id,
+                job_id=job_id,
+                reason=f"{reason}: the job is re-queued from its checkpoint, this machine"
+                " banned for it",
+                figures=figures,
+            )
+        )
+        if not fleet.held_off(inst.instance_id):
+            out.append(fleet.reallocate(inst, reason, figures))
+    return out
+
+
+def _victims(fleet: _Fleet, count: int) -> list[str]:
+    """Up to `count` idle live instances, least useful first; never one holding a lease."""
+    s = fleet.s
+    all_banned = s.queued_jobs > 0 and len(s.banned_queued) == s.queued_jobs
+
+    def rank(inst: Instance) -> tuple[int, str]:
+        if inst.instance_id in fleet.bad:
+            return 0, inst.instance_id
+        machine = fleet.machine(inst)
+        if all_banned and machine and all(machine in j.banned_machines for j in s.banned_queued):
+            return 1, inst.instance_id
+        if inst.state is InstanceState.STARTING:
+            return 2, inst.instance_id
+        return 3, inst.instance_id
+
+    idle = [i for i in fleet.live if not fleet.busy(i) and i.instance_id not in fleet.moving]
+    return [i.instance_id for i in sorted(idle, key=rank)[: max(count, 0)]]
+
+
+def _scale(fleet: _Fleet, stranded_extra: int) -> list[Decision]:
+    s, c = fleet.s, fleet.c
+    current = s.replicas
+    work = s.queued_jobs + s.running_jobs
+    desired = min(max(work, c.min_replicas), c.max_replicas)
+    starting = sum(1 for i in fleet.live if i.state is InstanceState.STARTING)
+    figures: dict[str, Figure] = {
+        "queued": s.queued_jobs,
+        "running": s.running_jobs,
+        "replicas": current,
+        "live_instances": len(fleet.live),
+        "starting": starting,
+        "min": c.min_replicas,
+        "max": c.max_replicas,
+    }
+    why = f"{s.queued_jobs} queued + {s.running_jobs} running jobs"
+    if stranded_extra and desired <= current:
+        desired = min(current + stranded_extra, c.max_replicas)
+        why += ", and a queued job banned from every live node"
+    if desired > current:
+        target = min(desired, current + c.max_step)
+        return [
+            Decision(
+                action=Action.SCALE,
+                target=FLEET,
+                replicas=target,
+                reason=f"{why}: {current} -> {target} replicas"
+                + (f" (step limit {c.max_step})" if target < desired else ""),
+                figures={**figures, "desired": desired, "max_step": c.max_step},
+            )
+        ]
+    if desired == current:
+        return []
+    # Shrinking: never fast, never a busy node.
+    if work == 0 and s.idle_since is not None and s.now - s.idle_since < c.idle_grace_s:
+        return [
+            Decision(
+                action=Action.HOLD,
+                target=FLEET,
+                reason=f"no work for {s.now - s.idle_since:.0f} s of the"
+                f" {c.idle_grace_s:g} s idle grace: keeping {current} replicas",
+                figures={**figures, "idle_s": round(s.now - s.idle_since, 1)},
+            )
+        ]
+    last_scale = max((a.at for a in s.recent_actions if a.action is Action.SCALE), default=None)
+    if last_scale is not None and s.now - last_scale < c.cooldown_s:
+        return [
+            Decision(
+                action=Action.HOLD,
+                target=FLEET,
+                reason=f"{why} wants {desired} replicas; last scale"
+                f" {s.now - last_scale:.0f} s ago, cooldown {c.cooldown_s:g} s",
+                figures={**figures, "desired": desired},
+            )
+        ]
+    target = max(desired, current - c.max_step)
+    need = max(0, len(fleet.live) - target)
+    remove = _victims(fleet, need)
+    if len(remove) < need:
+        target = len(fleet.live) - len(remove)
+    if target >= current:
+        return [
+            Decision(
+                action=Action.HOLD,
+                target=FLEET,
+                reason=f"{why} wants {desired} replicas, but every surplus instance is busy",
+                figures={**figures, "desired": desired},
+            )
+        ]
+    return [
+        Decision(
+            action=Action.SCALE,
+            target=FLEET,
+            replicas=target,
+            remove=tuple(remove),
+            reason=f"{why}: {current} -> {target} replicas, removing idle instances only",
+            figures={**figures, "desired": desired, "removed": len(remove)},
+        )
+    ]
+
+
+def _deletion_costs(fleet: _Fleet) -> list[Decision]:
+    out = []
+    for inst in sorted(fleet.live, key=lambda i: i.instance_id):
+        if inst.deletion_cost is None or inst.instance_id in fleet.moving:
+            continue
+        busy = fleet.busy(inst)
+        want = fleet.c.busy_deletion_cost if busy else fleet.c.idle_deletion_cost
+        if inst.deletion_cost == want:
+            continue
+        out.append(
+            Decision(
+                action=Action.SET_DELETION_COST,
+                target=inst.instance_id,
+                deletion_cost=want,
+                reason=f"instance {inst.instance_id} is {'leased' if busy else 'idle'}:"
+                f" deletion cost {inst.deletion_cost} -> {want}",
+                figures={"from": inst.deletion_cost, "to": want},
+            )
+        )
+    return out

@@ -1,0 +1,529 @@
+"""The scaler service: one active scaler reads the ledger and the provider, decides, records, acts.
+
+* **One active scaler**: a Postgres session-level advisory lock, held on a dedicated
+  connection. A second replica waits on the lock inside the server (no polling) and takes over
+  the moment the first one's session ends (a crash, a lost connection, a terminated backend).
+  The active scaler checks that its session is alive before each tick and before each action,
+  so one that lost its lock stops acting (`NotActive`) and goes back to waiting.
+* **When it acts**: on a tick (`tick_interval_s`) and whenever the ledger says the work
+  changed: the same connection LISTENs on the channels the jobs trigger NOTIFYs (a job became
+  claimable, a lease ended). Tests drive `tick()` themselves.
+* **A tick**: a `Snapshot` from the provider (instances, replicas) and the ledger (nodes, their
+  faults and pace, the work, the banned queued jobs, the scaler's own recent actions), then
+  `policy.decide`, then each decision is recorded as a ledger row (a HOLD repeated tick after
+  tick folds into one row) and carried out: on the provider (`actions.apply`) or, for
+  DROP_LEASE, in the ledger. The row then says whether it was applied, or why not.
+* **A failing provider** never crashes the loop and never stands in for an empty fleet: if the
+  snapshot cannot be read, nothing is decided; the failure is recorded and the next tick tries
+  again. If an action fails because the provider is unavailable, the tick's remaining provider
+  actions are recorded as not tried (each call would only wait out its own deadline).
+* **Dry run** (`dry_run=True`): reads and decides, and reports what it would do; it takes no
+  lock and writes nothing, so it can watch beside an active scaler.
+* **The clock** is injectable (`clock`, epoch seconds): recorded decisions carry its time, and
+  the cooldowns, hold-offs and grace periods of the policy are measured on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import re
+import socket
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import asyncpg
+import structlog
+
+from lorafleet.core.errors import LorafleetError, is_retryable
+from lorafleet.core.lifecycle import AsyncLifecycle
+from lorafleet.core.settings import ConfigError
+from lorafleet.scaler import metrics
+from lorafleet.scaler.actions import apply
+from lorafleet.scaler.config import ScalerSettings
+from lorafleet.scaler.policy import (
+    Action,
+    Decision,
+    JobShape,
+    NodeView,
+    PastAction,
+    PolicyConfig,
+    QueuedJob,
+    Snapshot,
+    StepSample,
+    decide,
+)
+from lorafleet.scaler.provider import Provider, ProviderError
+from lorafleet.scheduler.ledger import Ledger
+
+log = structlog.get_logger(__name__)
+
+# Any fixed 64-bit number ("lfscaler"); the same for every scaler of a ledger.
+SCALER_LOCK = 0x6C667363616C6572
+# The channels the jobs trigger NOTIFYs on (scheduler sql: lorafleet_notify_work).
+WORK_CHANNEL = "lorafleet_work"
+LEASE_ENDED_CHANNEL = "lorafleet_lease_ended"
+# The target of a failed provider read (its row is kept apart from the fleet's HOLDs).
+PROVIDER = "provider"
+
+_MAX_SAMPLES = 20_000
+_MAX_BANNED_JOBS = 1_000
+
+
+class NotActive(LorafleetError):
+    """This scaler does not hold the lock (never took it, or lost its session): it must not act."""
+
+    retryable = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """What became of one decision."""
+
+    decision: Decision
+    applied: bool
+    error: str | None = None
+    # The ledger row (None in a dry run); folded: a repeated HOLD counted on its first row.
+    decision_id: int | None = None
+    folded: bool = False
+    dry_run: bool = False
+
+
+Report = Callable[[Outcome], None]
+
+
+def fold_key(decision: Decision) -> str:
+    """A HOLD's reason with its figures blanked: the same hold, tick after tick."""
+    return decision.action.value + ":" + re.sub(r"\d+(?:\.\d+)?", "#", decision.reason)
+
+
+def describe(outcome: Outcome) -> str:
+    """One line for an operator's terminal, e.g. "dry run: would scale fleet to 3 replicas: ...",
+    "done: reallocate local-1: ...", "hold (provider): the provider failed ..."."""
+    d = outcome.decision
+    if d.action is Action.HOLD:
+        return f"hold ({d.target}): {d.reason}"
+    if d.action is Action.SCALE and d.replicas is not None:
+        what = f"scale {d.target} to {d.replicas} replicas"
+    else:
+        what = f"{d.action.value.replace('_', ' ')} {d.target}"
+    if outcome.dry_run:
+        status = "dry run: would"
+    elif outcome.applied:
+        status = "done:"
+    else:
+        status = f"failed ({outcome.error}):"
+    return f"{status} {what}: {d.reason}"
+
+
+class Scaler(AsyncLifecycle):
+    def __init__(
+        self,
+        *,
+        ledger: Ledger,
+        database_url: str,
+        provider: Provider,
+        policy: PolicyConfig,
+        tick_interval_s: float = 30.0,
+        dry_run: bool = False,
+        scaler_id: str = "",
+        clock: Callable[[], float] = time.time,
+        report: Report | None = None,
+        min_tick_gap_s: float = 1.0,
+        reconnect_delay_s: float = 1.0,
+        sample_window_s: float = 7 * 24 * 3600.0,
+    ) -> None:
+        self._ledger = ledger
+        self._dsn = database_url
+        self._provider = provider
+        self._policy = policy
+        self._tick_interval_s = tick_interval_s
+        self.dry_run = dry_run
+        self.scaler_id = scaler_id or socket.gethostname()
+        self._clock = clock
+        self._report = report
+        self._min_tick_gap_s = min_tick_gap_s
+        self._reconnect_delay_s = reconnect_delay_s
+        self._sample_window_s = sample_window_s
+        self._started_at = clock()
+        self._conn: asyncpg.Connection | None = None
+        self._lost = asyncio.Event()
+        self._active = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._tick_lock = asyncio.Lock()
+        self._run_task: asyncio.Task[None] | None = None
+        self.ticks = 0
+
+    # -- the lock ------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """Whether this scaler holds the lock, as far as it knows (a tick checks for sure)."""
+        return self._conn is not None and not self._conn.is_closed() and not self._lost.is_set()
+
+    async def wait_active(self) -> None:
+        await self._active.wait()
+
+    async def acquire(self) -> None:
+        """Blocks until this scaler is the active one (waits inside Postgres for the lock)."""
+        while self._conn is None:
+            try:
+                conn = await asyncpg.connect(self._dsn)
+            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                log.warning("scaler lock connection failed; retrying", error=str(exc))
+                await asyncio.sleep(self._reconnect_delay_s)
+                continue
+            lost = asyncio.Event()
+            try:
+                conn.add_termination_listener(functools.partial(self._on_lost_conn, lost))
+                await conn.add_listener(WORK_CHANNEL, self._notified)
+                await conn.add_listener(LEASE_ENDED_CHANNEL, self._notified)
+                log.info("scaler waiting for the lock", scaler_id=self.scaler_id)
+                await conn.execute("SELECT pg_advisory_lock($1)", SCALER_LOCK)
+            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                log.warning("scaler lock connection lost while waiting", error=str(exc))
+                await _close_quietly(conn)
+                await asyncio.sleep(self._reconnect_delay_s)
+                continue
+            except BaseException:
+                await _close_quietly(conn)
+                raise
+            if lost.is_set():
+                await _close_quietly(conn)
+                continue
+            self._conn, self._lost = conn, lost
+            self._active.set()
+            metrics.ACTIVE.set(1)
+            self._wake.set()  # look at the fleet at once
+            log.info("scaler is the active one", scaler_id=self.scaler_id)
+
+    def _on_lost_conn(self, lost: asyncio.Event, _conn: object) -> None:
+        self._on_lost(lost)
+
+    def _on_lost(self, lost: asyncio.Event) -> None:
+        lost.set()
+        if lost is self._lost:  # the held session, not an earlier one closing late
+            self._active.clear()
+            metrics.ACTIVE.set(0)
+            self._wake.set()
+
+    def _notified(self, *_args: object) -> None:
+        self._wake.set()
+
+    async def _release(self) -> None:
+        conn, self._conn = self._conn, None
+        self._active.clear()
+        metrics.ACTIVE.set(0)
+        if conn is not None:
+            await _close_quietly(conn)  # ends the session: the lock goes with it
+
+    async def _ensure_active(self) -> None:
+        """Raises NotActive unless this scaler's lock session is alive right now."""
+        if self.dry_run:
+            return
+        conn = self._conn
+        if conn is None or conn.is_closed() or self._lost.is_set():
+            raise NotActive(f"scaler {self.scaler_id} does not hold the scaler lock")
+        try:
+            await conn.fetchval("SELECT 1")
+        except Exception as exc:  # whatever the driver says, the session is not provably alive
+            self._on_lost(self._lost)
+            raise NotActive(f"scaler {self.scaler_id} lost its lock session: {exc}") from None
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def run(self, *, once: bool = False) -> None:
+        """Acquire, then tick on every wake-up and every `tick_interval_s`, until cancelled;
+        after losing the lock, wait for it again. `once`: one tick (after the lock, unless a
+        dry run) and return."""
+        self._run_task = asyncio.current_task()
+        if once:
+            if not self.dry_run:
+                await self.acquire()
+            await self.tick()
+            return
+        while True:
+            if not self.dry_run:
+                await self.acquire()
+            try:
+                await self._serve()
+            except NotActive as exc:
+                log.warning("scaler lost the lock; waiting for it again", error=str(exc))
+                await self._release()
+
+    async def _serve(self) -> None:
+        last = -float("inf")
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._tick_interval_s)
+            gap = last + self._min_tick_gap_s - loop.time()
+            if gap > 0:
+                # Notifications come in bursts: at most one provider round per gap.
+                await asyncio.sleep(gap)
+            self._wake.clear()
+            last = loop.time()
+            try:
+                await self.tick()
+            except NotActive:
+                raise
+            except Exception as exc:
+                if not is_retryable(exc):
+                    raise
+                log.warning("scaler tick failed; trying again next tick", error=str(exc))
+
+    async def close(self) -> None:
+        task = self._run_task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._release()
+
+    # -- one tick ------------------------------------------------------------------------------
+
+    async def snapshot(self, now: float) -> Snapshot:
+        """The fleet as the provider and the ledger see it now (provider errors propagate)."""
+        instances = tuple(await self._provider.list_instances())
+        replicas = await self._provider.replicas()
+        c = self._policy
+        work = await self._ledger.scaler_work()
+        samples = await self._ledger.step_samples(self._sample_window_s, _MAX_SAMPLES)
+        by_machine: dict[str, list[StepSample]] = defaultdict(list)
+        for s in samples:
+            by_machine[s.machine_id].append(
+                StepSample(
+                    job_id=s.job_id,
+                    shape=JobShape(
+                        resolution=s.resolution,
+                        batch_size=s.batch_size,
+                        train_text_encoder=s.train_text_encoder,
+                        gpu_class=s.gpu_class,
+                    ),
+                    seconds_per_step=s.seconds_per_step,
+                    steps=s.steps,
+                )
+            )
+        # Live machines, and departed ones whose pace still counts among the peers.
+        ids = sorted({i.machine_id for i in instances if i.machine_id} | set(by_machine))
+        records = (
+            await self._ledger.list_nodes(ids, fault_window_s=c.fault_window_s, limit=len(ids))
+            if ids
+            else []
+        )
+        nodes = tuple(
+            NodeView(
+                machine_id=r.machine_id,
+                instance_id=r.provider_instance_id or None,
+                gpu_class=r.gpu_model,
+                qualified=r.qualified,
+                lease_job_id=r.lease_job_id,
+                fault_times=r.recent_fault_times,
+                samples=tuple(by_machine.get(r.machine_id, ())),
+            )
+            for r in records
+        )
+        banned = await self._ledger.banned_queued_jobs(_MAX_BANNED_JOBS) if work.queued > 0 else []
+        horizon = max(c.reallocate_window_s, c.cooldown_s, c.reallocate_holdoff_s)
+        recent = await self._ledger.recent_scaler_actions(now - horizon)
+        idle_since = None
+        if work.queued + work.running == 0:
+            idle_since = (
+                work.last_finished_at.timestamp()
+                if work.last_finished_at is not None
+                else self._started_at
+            )
+        return Snapshot(
+            now=now,
+            replicas=replicas,
+            instances=instances,
+            nodes=nodes,
+            queued_jobs=work.queued,
+            banned_queued=tuple(
+                QueuedJob(job_id=b.job_id, banned_machines=frozenset(b.banned_machines))
+                for b in banned
+            ),
+            running_jobs=work.running,
+            idle_since=idle_since,
+            recent_actions=tuple(
+                PastAction(at=a.at, action=Action(a.action), target=a.target, job_id=a.job_id)
+                for a in recent
+            ),
+        )
+
+    async def tick(self) -> list[Outcome]:
+        """Look, decide, record, act: once. Raises NotActive if this scaler must not act."""
+        async with self._tick_lock:
+            await self._ensure_active()
+            self.ticks += 1
+            metrics.TICKS.inc()
+            now = self._clock()
+            try:
+                snapshot = await self.snapshot(now)
+            except ProviderError as exc:
+                log.warning("provider unavailable; nothing decided this tick", error=str(exc))
+                metrics.PROVIDER_FAILURES.inc()
+                await self._record_provider_failure(now, exc)
+                return []
+            outcomes: list[Outcome] = []
+            provider_down: str | None = None
+            for decision in decide(snapshot, self._policy):
+                outcome = await self._carry_out(decision, now, provider_down)
+                result = (
+                    "applied" if outcome.applied else "failed" if outcome.error else "not_applied"
+                )
+                metrics.DECISIONS.labels(decision.action.value, result).inc()
+                if outcome.error and outcome.error.startswith(_UNAVAILABLE):
+                    provider_down = outcome.error
+                outcomes.append(outcome)
+                if self._report is not None:
+                    self._report(outcome)
+            return outcomes
+
+    async def _record_provider_failure(self, now: float, exc: ProviderError) -> None:
+        hold = Decision(
+            action=Action.HOLD,
+            target=PROVIDER,
+            reason=f"the provider failed; nothing decided, trying again next tick: {exc}",
+            figures={"retryable": "yes" if exc.retryable else "no"},
+        )
+        outcome = Outcome(decision=hold, applied=False, error=str(exc), dry_run=self.dry_run)
+        if not self.dry_run:
+            decision_id, folded = await self._ledger.record_scaler_decision(
+                at=now,
+                scaler_id=self.scaler_id,
+                action=hold.action.value,
+                target=hold.target,
+                job_id=None,
+                reason=hold.reason,
+                figures=hold.figures,
+                fold_key=f"provider-failed:{type(exc).__name__}",
+                error=str(exc)[:4000],
+            )
+            outcome = Outcome(
+                decision=hold,
+                applied=False,
+                error=str(exc),
+                decision_id=decision_id,
+                folded=folded,
+            )
+        if self._report is not None:
+            self._report(outcome)
+
+    async def _carry_out(self, d: Decision, now: float, provider_down: str | None) -> Outcome:
+        if self.dry_run:
+            return Outcome(decision=d, applied=False, dry_run=True)
+        decision_id, folded = await self._ledger.record_scaler_decision(
+            at=now,
+            scaler_id=self.scaler_id,
+            action=d.action.value,
+            target=d.target,
+            job_id=d.job_id,
+            reason=d.reason,
+            figures=d.figures,
+            fold_key=fold_key(d) if d.action is Action.HOLD else "",
+        )
+        if d.action is Action.HOLD:
+            return Outcome(decision=d, applied=False, decision_id=decision_id, folded=folded)
+        applied, error = False, None
+        if provider_down is not None and d.action is not Action.DROP_LEASE:
+            error = f"not tried: {provider_down}"
+        else:
+            try:
+                await self._ensure_active()
+            except NotActive:
+                await self._ledger.finish_scaler_decision(
+                    decision_id, applied=False, error="not tried: this scaler lost its lock"
+                )
+                raise
+            try:
+                applied, error = await self._act(d)
+            except ProviderError as exc:
+                prefix = _UNAVAILABLE if exc.retryable else "refused"
+                error = f"{prefix}: {exc}"
+                log.warning("scaler action failed", action=d.action.value, error=str(exc))
+        await self._ledger.finish_scaler_decision(
+            decision_id, applied=applied, error=None if error is None else error[:4000]
+        )
+        if applied:
+            log.info(
+                "scaler acted",
+                action=d.action.value,
+                target=d.target,
+                job_id=d.job_id,
+                reason=d.reason,
+            )
+        return Outcome(decision=d, applied=applied, error=error, decision_id=decision_id)
+
+    async def _act(self, d: Decision) -> tuple[bool, str | None]:
+        if d.action is Action.DROP_LEASE:
+            assert d.job_id is not None
+            job = await self._ledger.drop_lease(
+                d.target, d.job_id, f"dropped by the scaler: {d.reason}"[:2000]
+            )
+            if job is None:
+                return False, "the machine no longer holds this job's lease"
+            return True, None
+        if d.action is Action.SCALE and d.remove:
+            taken = await self._victims_now_leased(d.remove)
+            if taken:
+                self._wake.set()
+                return False, (
+                    f"not tried: {', '.join(taken)} took a lease since the snapshot; deciding again"
+                )
+        await apply(self._provider, d)
+        return True, None
+
+    async def _victims_now_leased(self, remove: Sequence[str]) -> list[str]:
+        """The instances chosen for scale-in whose machine holds a lease now (a job was
+        granted between the snapshot and the action): scale-in never removes a busy node."""
+        instances = {i.instance_id: i for i in await self._provider.list_instances()}
+        machines = [instances[i].machine_id for i in remove if i in instances]
+        machines = [m for m in machines if m]
+        if not machines:
+            return []
+        nodes = await self._ledger.list_nodes(machines, fault_window_s=1.0, limit=len(machines))
+        busy = {n.machine_id for n in nodes if n.lease_job_id is not None}
+        return [i for i in remove if i in instances and instances[i].machine_id in busy]
+
+
+_UNAVAILABLE = "provider unavailable"
+
+
+async def _close_quietly(conn: asyncpg.Connection) -> None:
+    with contextlib.suppress(Exception):
+        await conn.close(timeout=5)
+
+
+def provider_from_settings(settings: ScalerSettings) -> Provider:
+    """The provider the settings name. The local one runs worker processes on this machine
+    for the scheduler at `scheduler_address` (its token: the setting, else the scheduler's
+    generated `<data dir>/worker-token`)."""
+    if settings.provider == "salad":
+        from lorafleet.scaler.salad import SaladProvider
+
+        return SaladProvider(settings.salad_config())
+    if settings.provider == "ec2":
+        from lorafleet.scaler.ec2 import Ec2SpotProvider
+
+        return Ec2SpotProvider(settings.ec2_config())
+    from lorafleet.scaler.local import LocalProcessProvider, detect_gpus
+
+    token = settings.worker_token
+    token_file = settings.data_dir / "worker-token"
+    if not token and token_file.exists():
+        token = token_file.read_text().strip()
+    if not token:
+        raise ConfigError(
+            f"--worker-token / LORAFLEET_WORKER_TOKEN: the local provider needs the workers'"
+            f" token (or the scheduler's {token_file})"
+        )
+    return LocalProcessProvider(
+        scheduler_address=settings.scheduler_address,
+        worker_token=token,
+        log_dir=settings.data_dir / "logs",
+        gpus=detect_gpus(),
+    )

@@ -1,0 +1,355 @@
+"""JobService logic on domain values: the servicer validates protos and calls these."""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import json
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import structlog
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from lorafleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from lorafleet.core.model import Job, JobEvent, JobState, SampleSettings, upload_key
+from lorafleet.core.spec import JobSpec, check_path, check_sample_settings
+from lorafleet.scheduler.ledger import Ledger, NewJob, WebhookDeliveryRecord
+from lorafleet.scheduler.notifications import Notifications
+from lorafleet.scheduler.signing import Artifacts, UrlSigner
+from lorafleet.scheduler.storage import ObjectStore, SignedUrl
+from lorafleet.scheduler.webhooks import AddressPolicy
+
+log = structlog.get_logger(__name__)
+tracer = trace.get_tracer("lorafleet.scheduler")
+
+MAX_BATCH = 1000
+MAX_PAGE = 1000
+MAX_EVENTS_PAGE = 10_000
+MAX_UPLOAD_FILES = 1000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """Expected time and cost of a job from the fleet's measured pace on jobs of its shape."""
+
+    seconds_per_step: float
+    samples: int
+    seconds: float
+    price_per_gpu_hour: float
+    dollars: float
+    spend_limit_dollars: float | None
+    spent_dollars: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Submission:
+    spec: JobSpec
+    idempotency_key: str
+
+
+def _check_job_id(job_id: str, field: str = "job_id") -> str:
+    try:
+        return str(uuid.UUID(job_id))
+    except ValueError:
+        raise InvalidArgument(field, f"must be a job id (a UUID), got {job_id[:64]!r}") from None
+
+
+def encode_page_token(job: Job) -> str:
+    raw = json.dumps([job.created_at.isoformat(), job.job_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode()
+
+
+def decode_page_token(token: str) -> tuple[datetime, str]:
+    try:
+        created, job_id = json.loads(base64.urlsafe_b64decode(token.encode()))
+        return datetime.fromisoformat(created), str(uuid.UUID(job_id))
+    except (ValueError, TypeError):
+        raise InvalidArgument("page_token", "not a token from a previous ListJobs") from None
+
+
+class JobHandler:
+    def __init__(
+        self,
+        *,
+        ledger: Ledger,
+        storage: ObjectStore,
+        signer: UrlSigner,
+        notifications: Notifications,
+        webhook_policy: AddressPolicy | None = None,
+        price_per_gpu_hour: float = 0.0,
+        estimate_window_s: float = 7 * 86400.0,
+    ) -> None:
+        self._price_per_gpu_hour = price_per_gpu_hour
+        self._estimate_window_s = estimate_window_s
+        self._ledger = ledger
+        self._storage = storage
+        self._signer = signer
+        self._notifications = notifications
+        self._webhook_policy = webhook_policy or AddressPolicy()
+
+    async def submit(
+        self, owner: str, submissions: Sequence[Submission], *, api_key_id: str | None = None
+    ) -> list[Job]:
+        """All or nothing: every spec is checked (and its data found) before any row is written."""
+        if not 1 <= len(submissions) <= MAX_BATCH:
+            raise InvalidArgument("jobs", f"must hold 1 to {MAX_BATCH} jobs")
+        # A batch usually shares its data prefixes: list each distinct one once.
+        has_files: dict[str, bool] = {}
+        for i, sub in enumerate(submissions):
+            prefix = "spec" if len(submissions) == 1 else f"jobs[{i}].spec"
+            if len(sub.idempotency_key) > 200 or "\x00" in sub.idempotency_key:
+                raise InvalidArgument(
+                    prefix.replace("spec", "idempotency_key"), "at most 200 characters, no NUL"
+                )
+            if sub.spec.webhook_url:
+                self._webhook_policy.check_url(sub.spec.webhook_url, f"{prefix}.webhook.url")
+            await self._check_data(owner, sub.spec, prefix, has_files)
+        if api_key_id is not None:
+            await self._check_spend_limit(api_key_id, [s.spec for s in submissions])
+        with tracer.start_as_current_span("lorafleet.submit", attributes={"owner": owner}) as span:
+            carrier: dict[str, str] = {}
+            TraceContextTextMapPropagator().inject(carrier)
+            new = [
+                NewJob(
+                    job_id=str(uuid.uuid4()),
+                    spec=sub.spec,
+                    idempotency_key=sub.idempotency_key,
+                    traceparent=carrier.get("traceparent", ""),
+                )
+                for sub in submissions
+            ]
+            jobs = await self._ledger.insert_jobs(owner, new, api_key_id=api_key_id)
+            span.set_attribute("lorafleet.job_ids", [j.job_id for j in jobs])
+        for job in jobs:
+            log.info("job submitted", job_id=job.job_id, owner=owner)
+        return jobs
+
+    async def estimate(self, spec: JobSpec, *, api_key_id: str | None) -> Estimate:
+        """max_train_steps x the fleet's median s/step on jobs of the same shape, priced."""
+        pace = await self._ledger.pace_for_shape(
+            window_s=self._estimate_window_s,
+            resolution=spec.resolution,
+            batch_size=spec.train_batch_size,
+            gradient_accumulation_steps=spec.gradient_accumulation_steps,
+            train_text_encoder=spec.train_text_encoder,
+        )
+        seconds = spec.max_train_steps * pace.seconds_per_step
+        price = self._price_per_gpu_hour
+        spending = await self._ledger.key_spending(api_key_id) if api_key_id else None
+        return Estimate(
+            seconds_per_step=pace.seconds_per_step,
+            samples=pace.samples,
+            seconds=seconds,
+            price_per_gpu_hour=price,
+            dollars=seconds * price / 3600,
+            spend_limit_dollars=spending.spend_limit_dollars if spending else None,
+            spent_dollars=(spending.gpu_seconds * price / 3600) if spending else 0.0,
+        )
+
+    async def _check_spend_limit(self, api_key_id: str, specs: Sequence[JobSpec]) -> None:
+        """Billed so far, plus the estimated rest of the key's unfinished jobs, plus this submit
+        must stay within the key's limit (so many quick submits cannot outrun the billing)."""
+        spending = await self._ledger.key_spending(api_key_id)
+        limit = spending.spend_limit_dollars
+        if limit is None:
+            return
+        price = self._price_per_gpu_hour
+        spent = spending.gpu_seconds * price / 3600
+        pending_s = 0.0
+        for work in await self._ledger.key_unfinished_work(api_key_id):
+            pace = await self._ledger.pace_for_shape(
+                window_s=self._estimate_window_s,
+                resolution=work.resolution,
+                batch_size=work.batch_size,
+                gradient_accumulation_steps=work.gradient_accumulation_steps,
+                train_text_encoder=work.train_text_encoder,
+            )
+            pending_s += work.steps * pace.seconds_per_step
+        pending = pending_s * price / 3600
+        expected = 0.0
+        for spec in specs:
+            expected += (await self.estimate(spec, api_key_id=None)).dollars
+        if spent + pending + expected > limit + 1e-9:  # a cent-exact fit is within
+            raise FailedPrecondition(
+                f"spend limit: this API key's limit is ${limit:.2f}; its jobs have used"
+                f" ${spent:.2f}, its unfinished jobs are estimated at ${pending:.2f} more, and"
+                f" this submit at ${expected:.2f} (wait for jobs to finish, cancel some, or"
+                " ask for a key with a higher limit)"
+            )
+
+    async def _check_data(
+        self, owner: str, spec: JobSpec, prefix: str, has_files: dict[str, bool]
+    ) -> None:
+        async def exists(data_prefix: str) -> bool:
+            if data_prefix not in has_files:
+                listed = await self._storage.list(upload_key(owner, data_prefix))
+                has_files[data_prefix] = bool(listed)
+            return has_files[data_prefix]
+
+        if not await exists(spec.instance_data_prefix):
+            raise InvalidArgument(
+                f"{prefix}.instance_data_prefix",
+                f"no files under {spec.instance_data_prefix!r}: upload the images first",
+            )
+        if spec.class_data_prefix and not await exists(spec.class_data_prefix):
+            raise InvalidArgument(
+                f"{prefix}.class_data_prefix", f"no files under {spec.class_data_prefix!r}"
+            )
+
+    async def get(self, owner: str, job_id: str) -> Job:
+        job = await self._ledger.get_job(_check_job_id(job_id), owner)
+        if job is None:
+            raise NotFound(f"job {job_id} not found")
+        return job
+
+    async def list_jobs(
+        self,
+        owner: str,
+        *,
+        states: Sequence[JobState],
+        labels: Mapping[str, str],
+        page_size: int,
+        page_token: str,
+    ) -> tuple[list[Job], str]:
+        if page_size < 0 or page_size > MAX_PAGE:
+            raise InvalidArgument("page_size", f"must be between 1 and {MAX_PAGE}")
+        limit = page_size or 100
+        after = decode_page_token(page_token) if page_token else None
+        for key, value in labels.items():
+            if "\x00" in key or "\x00" in value:
+                raise InvalidArgument("labels", "must not contain NUL characters")
+        jobs = await self._ledger.list_jobs(
+            owner, states=states, labels=labels, after=after, limit=limit + 1
+        )
+        next_token = encode_page_token(jobs[limit - 1]) if len(jobs) > limit else ""
+        return jobs[:limit], next_token
+
+    async def cancel(self, owner: str, job_id: str) -> Job:
+        canceled = await self._ledger.cancel_job(_check_job_id(job_id), owner)
+        if canceled is not None:
+            log.info("job canceled", job_id=job_id, owner=owner)
+            return canceled
+        return await self.get(owner, job_id)  # already final (idempotent), or NotFound
+
+    async def events(
+        self, owner: str, job_id: str, *, after_event_id: int, page_size: int
+    ) -> tuple[builtins.list[JobEvent], int]:
+        if page_size < 0 or page_size > MAX_EVENTS_PAGE:
+            raise InvalidArgument("page_size", f"must be between 1 and {MAX_EVENTS_PAGE}")
+        if after_event_id < 0:
+            raise InvalidArgument("after_event_id", "must not be negative")
+        await self.get(owner, job_id)
+        limit = page_size or 1000
+        events = await self._ledger.list_events(job_id, after_event_id, limit)
+        return events, (events[-1].event_id if len(events) == limit else 0)
+
+    async def watch(
+        self, owner: str, job_id: str, *, after_event_id: int
+    ) -> AsyncIterator[tuple[Job, JobEvent | None]]:
+        """The job now, then each new event with the job as it stands; ends when it is final and
+        none of its sample tasks (validation images, issue 13) is still to run."""
+        if after_event_id < 0:
+            raise InvalidArgument("after_event_id", "must not be negative")
+        job = await self.get(owner, job_id)
+        # Subscribe before reading, so an event committed in between still wakes us.
+        changed = self._notifications.watch_job(job.job_id)
+        try:
+            yield job, None
+            last = after_event_id
+            while True:
+                changed.clear()
+                events = await self._ledger.list_events(job.job_id, last, 500)
+                if events:
+                    job = await self.get(owner, job_id)
+                    for event in events:
+                        yield job, event
+                    last = events[-1].event_id
+                    continue
+                if job.state.terminal and not await self._ledger.samples_pending(job.job_id):
+                    return
+                await changed.wait()
+        finally:
+            self._notifications.unwatch_job(job.job_id, changed)
+
+    async def upload_urls(
+        self, owner: str, prefix: str, file_names: Sequence[str]
+    ) -> builtins.list[SignedUrl]:
+        check_path("prefix", prefix)
+        if not 1 <= len(file_names) <= MAX_UPLOAD_FILES:
+            raise InvalidArgument("file_names", f"must hold 1 to {MAX_UPLOAD_FILES} names")
+        for i, name in enumerate(file_names):
+            check_path(f"file_names[{i}]", name)
+        return await self._signer.data_upload_urls(owner, prefix, file_names)
+
+    async def webhook_deliveries(
+        self, owner: str, job_id: str
+    ) -> builtins.list[WebhookDeliveryRecord]:
+        job = await self.get(owner, job_id)
+        return await self._ledger.list_webhook_deliveries(job.job_id)
+
+    async def artifacts(self, owner: str, job_id: str) -> Artifacts:
+        job = await self.get(owner, job_id)
+        checkpoints = await self._ledger.live_checkpoints(job.job_id)
+        sample_tasks = await self._ledger.sample_tasks_of_job(job.job_id)
+        if job.result is None and not checkpoints and not sample_tasks:
+            if job.state.terminal:
+                raise FailedPrecondition(
+                    f"job {job_id} is {job.state.value.lower()} without a result; its"
+                    " checkpoints were deleted when it finished"
+                )
+            raise FailedPrecondition(f"job {job_id} has no result or checkpoint yet")
+        return await self._signer.artifacts(job, checkpoints, sample_tasks)
+
+    async def request_samples(
+        self,
+        owner: str,
+        job_id: str,
+        *,
+        prompts: Sequence[str],
+        steps: Sequence[int],
+        negative_prompt: str,
+        guidance_scale: float,
+        inference_steps: int,
+        num_images: int,
+        seed: int,
+    ) -> builtins.list[int]:
+        """Sample tasks on request (issue 13) for a finished job: against its result or a kept
+        checkpoint. Zero values take the job's validation settings."""
+        job = await self.get(owner, job_id)
+        if job.state is not JobState.SUCCEEDED or job.result is None:
+            raise FailedPrecondition(f"job {job_id} has no result yet (state {job.state.value})")
+        spec = job.spec
+        settings = SampleSettings(
+            prompts=tuple(prompts) or spec.sample_prompts,
+            negative_prompt=negative_prompt or spec.validation_negative_prompt,
+            guidance_scale=guidance_scale or spec.validation_guidance_scale,
+            inference_steps=inference_steps or spec.validation_inference_steps,
+            seed=seed or spec.seed,
+            resolution=spec.resolution,
+            images_per_prompt=num_images or spec.num_validation_images,
+        )
+        if not settings.prompts:
+            raise InvalidArgument("prompts", "is required (the job has no validation prompt)")
+        check_sample_settings(
+            prompts=settings.prompts,
+            negative_prompt=settings.negative_prompt,
+            guidance_scale=settings.guidance_scale,
+            inference_steps=settings.inference_steps,
+            num_images=settings.images_per_prompt,
+            prefix="",
+        )
+        if len(steps) > 64:
+            raise InvalidArgument("steps", "at most 64 steps")
+        wanted = sorted(set(steps)) or [job.progress.step]
+        queued = await self._ledger.request_samples(job.job_id, owner, wanted, settings)
+        missing = sorted(set(wanted) - set(queued))
+        if missing:
+            raise FailedPrecondition(
+                f"steps: no kept checkpoint or result at step {missing[0]} (the result's step is"
+                f" {job.progress.step})"
+            )
+        return queued

@@ -1,0 +1,99 @@
+"""The sweeper: expires lapsed leases and applies checkpoint retention. Safe on every replica.
+
+Every step is one ledger statement that locks what it changes (`FOR UPDATE SKIP LOCKED`), so
+replicas sweeping at once never do a thing twice. A sweep that meets an unavailable ledger or
+store is logged and tried again next interval; any other error ends `run()` and so reaches
+`Scheduler.wait()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+
+import structlog
+
+from lorafleet.core.errors import is_retryable
+from lorafleet.scheduler import metrics
+from lorafleet.scheduler.ledger import Ledger
+from lorafleet.scheduler.storage import ObjectStore
+
+log = structlog.get_logger(__name__)
+
+
+class Sweeper:
+    def __init__(
+        self,
+        *,
+        ledger: Ledger,
+        storage: ObjectStore,
+        checkpoint_retention: int,
+        replica_id: str,
+        upload_url_ttl_s: float,
+    ) -> None:
+        self._ledger = ledger
+        self._storage = storage
+        self._retention = checkpoint_retention
+        self._replica_id = replica_id
+        # A finished job is swept again once its leases' last upload URL has expired.
+        self._upload_url_ttl_s = upload_url_ttl_s
+
+    async def sweep_once(self) -> None:
+        # This replica is alive: a replica starting later knows the fleet was not all down.
+        await self._ledger.touch_replica(self._replica_id)
+        for expired in await self._ledger.expire_leases():
+            metrics.LEASE_EXPIRIES.inc()
+            metrics.REQUEUES.labels("expired").inc()
+            log.warning(
+                "lease expired; job re-queued",
+                job_id=expired.job_id,
+                lease_id=expired.lease_id,
+                machine_id=expired.machine_id,
+                epoch=expired.epoch,
+            )
+        for task_id in await self._ledger.expire_sample_tasks():
+            log.warning("sample task lease expired; task re-queued", task_id=task_id)
+        for job_id in await self._ledger.finished_jobs_with_checkpoints(100):
+            await self.prune_checkpoints(job_id)
+        for job_id, result_keys in await self._ledger.jobs_to_sweep(100, self._upload_url_ttl_s):
+            await self.sweep_job_storage(job_id, result_keys)
+
+    async def sweep_job_storage(self, job_id: str, result_keys: Collection[str]) -> None:
+        """Deletes what a finished job no longer needs: checkpoints and results the ledger
+        never recorded (a lease ended between its upload and its announcement) and generated
+        class images; keeps the recorded result and the validation images."""
+        prefixes = (
+            f"jobs/{job_id}/checkpoints/",
+            f"jobs/{job_id}/result/",
+            # Generated for prior preservation while it trained; nothing needs them after.
+            f"jobs/{job_id}/class_images/",
+        )
+        stray = [
+            o.key
+            for prefix in prefixes
+            for o in await self._storage.list(prefix)
+            if o.key not in result_keys
+        ]
+        if stray:
+            await self._storage.delete(stray)
+            log.info(
+                "unrecorded objects of a finished job deleted", job_id=job_id, count=len(stray)
+            )
+        await self._ledger.mark_storage_swept(job_id)
+
+    async def prune_checkpoints(self, job_id: str) -> None:
+        """Keeps the newest K of a running job; deletes all of a finished one's."""
+        keys = await self._ledger.checkpoints_to_delete(job_id, self._retention)
+        if keys:
+            await self._storage.delete(keys)
+            await self._ledger.mark_checkpoints_deleted(job_id, keys)
+
+    async def run(self, interval_s: float) -> None:
+        while True:
+            try:
+                await self.sweep_once()
+            except Exception as exc:
+                if not is_retryable(exc):
+                    raise
+                log.warning("sweep failed; trying again next interval", error=str(exc))
+            await asyncio.sleep(interval_s)

@@ -1,0 +1,199 @@
+"""Validation images of a job's LoRA at one step, made by a sample task (issue 13).
+
+A sample task brings the job's spec (base model, VAE, LoRA shape), the weights at one step (a
+lorafleet checkpoint or the result safetensors) and explicit settings (prompts, negative prompt,
+guidance, denoising steps, seed, size, images per prompt). `SamplePipelines` keeps the loaded
+base model between tasks: a task for the same base model, VAE and LoRA shape only overwrites
+the adapter weights, so a worker pays the load once per model, not once per task.
+
+Images are seeded per image index (`seed + image_index`, CPU generators, independent of the
+device and of the prompt), so the images of step N are the same whichever worker makes them,
+and a column of the same index across steps differs only by the weights.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import safetensors.torch
+import torch
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+from lorafleet.core.model import SampleSettings
+from lorafleet.worker.training.checkpoint import load_checkpoint
+from lorafleet.worker.training.config import Runtime, TrainingConfig, resolve_runtime
+from lorafleet.worker.training.failures import CorruptCheckpoint, input_fault
+from lorafleet.worker.training.lora import add_lora, convert_state_dict_to_diffusers
+from lorafleet.worker.training.model import Components, load_components, sampling_pipeline
+from lorafleet.worker.training.sampling import png_bytes
+
+
+class SamplesStopped(Exception):
+    """`should_stop` said so between two images (the task was revoked or the worker drains)."""
+
+
+@dataclass(frozen=True)
+class _PipelineKey:
+    model_ref: str
+    vae_ref: str | None
+    rank: int
+    alpha: float
+    train_text_encoder: bool
+    use_dora: bool
+
+
+@dataclass
+class _Loaded:
+    key: _PipelineKey
+    components: Components
+    runtime: Runtime
+    trained: dict[str, Any]
+    pipeline: Any
+
+
+class SamplePipelines:
+    """The loaded base pipeline, kept between sample tasks (one at a time: it runs on the
+    worker's training thread) and released when a training lease arrives (`release`, queued
+    on the same thread before the training run). `loads` counts base-model loads."""
+
+    def __init__(self) -> None:
+        self._loaded: _Loaded | None = None
+        self._lock = threading.Lock()
+        self.loads = 0
+
+    def make(
+        self,
+        config: TrainingConfig,
+        *,
+        settings: SampleSettings,
+        weights: bytes,
+        weights_is_checkpoint: bool,
+        should_stop: Callable[[], bool] = lambda: False,
+        on_image: Callable[[int, int, bytes], None] | None = None,
+    ) -> list[tuple[int, int, bytes]]:
+        """(prompt index, image index, PNG) of every image the settings ask for, prompts first.
+
+        Raises `SamplesStopped` when `should_stop()` says so between images, and an input fault
+        when the weights do not fit the job's LoRA shape."""
+        with self._lock:
+            loaded = self._load(config)
+            _set_weights(loaded.trained, weights, weights_is_checkpoint)
+            out: list[tuple[int, int, bytes]] = []
+            modules = [loaded.components.unet, *loaded.components.text_encoders]
+            for module in modules:
+                module.eval()
+            devices = [loaded.runtime.device.index or 0] if loaded.runtime.is_cuda else []
+            with torch.random.fork_rng(devices=devices, device_type=loaded.runtime.device.type):
+                for prompt_index, prompt in enumerate(settings.prompts):
+                    for image_index in range(settings.images_per_prompt):
+                        if should_stop():
+                            raise SamplesStopped("stopped between images")
+                        generator = torch.Generator("cpu").manual_seed(settings.seed + image_index)
+                        with torch.no_grad():
+                            image = loaded.pipeline(
+                                prompt=prompt,
+                                negative_prompt=settings.negative_prompt or None,
+                                height=settings.resolution,
+                                width=settings.resolution,
+                                num_inference_steps=settings.inference_steps,
+                                guidance_scale=settings.guidance_scale,
+                                generator=generator,
+                            ).images[0]
+                        data = png_bytes(image)
+                        out.append((prompt_index, image_index, data))
+                        if on_image is not None:
+                            on_image(prompt_index, image_index, data)
+            return out
+
+    def release(self) -> None:
+        """Drops the loaded model (a training lease needs the accelerator's memory)."""
+        with self._lock:
+            if self._loaded is None:
+                return
+            self._loaded = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            torch.cuda.empty_cache()
+
+    def _load(self, config: TrainingConfig) -> _Loaded:
+        spec = config.spec
+        key = _PipelineKey(
+            model_ref=config.model_ref,
+            vae_ref=config.vae_ref,
+            rank=spec.lora_rank,
+            alpha=spec.lora_alpha,
+            train_text_encoder=spec.train_text_encoder,
+            use_dora=spec.use_dora,
+        )
+        if self._loaded is not None and self._loaded.key == key:
+            return self._loaded
+        self._loaded = None  # the old model is dropped before the new one loads
+        runtime = resolve_runtime(config)
+        components = load_components(config, runtime)
+        with torch.random.fork_rng(devices=[], device_type="cpu"):
+            trained = add_lora(
+                components,
+                rank=spec.lora_rank,
+                alpha=spec.lora_alpha,
+                train_text_encoder=spec.train_text_encoder,
+                use_dora=spec.use_dora,
+            )
+        for module in trained.values():
+            module.requires_grad_(False)
+        self.loads += 1
+        self._loaded = _Loaded(
+            key=key,
+            components=components,
+            runtime=runtime,
+            trained=trained,
+            pipeline=sampling_pipeline(components),
+        )
+        return self._loaded
+
+
+def _set_weights(trained: Mapping[str, Any], weights: bytes, is_checkpoint: bool) -> None:
+    if is_checkpoint:
+        try:
+            tensors = load_checkpoint(weights).tensors
+        except CorruptCheckpoint as exc:
+            raise input_fault(f"weights: {exc}") from exc
+        for name, module in trained.items():
+            for param_name, param in _adapter_parameters(module):
+                tensor = tensors.get(f"lora/{name}/{param_name}")
+                if tensor is None or tensor.shape != param.shape:
+                    raise input_fault(
+                        f"weights: the checkpoint does not fit the job's LoRA ({name}/{param_name})"
+                    )
+                with torch.no_grad():
+                    param.copy_(tensor.to(param.device, param.dtype))
+        return
+    try:
+        state = safetensors.torch.load(weights)
+    except Exception as exc:
+        raise input_fault(f"weights: not a safetensors file: {exc}") from exc
+    for name, module in trained.items():
+        prefix = f"{name}."
+        ours = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+        # What each peft key becomes in the result (the trainer's conversion, applied to
+        # tagged placeholders), read backwards.
+        current = get_peft_model_state_dict(module, save_embedding_layers=False)
+        peft_keys = list(current)
+        tagged = {k: torch.tensor([i]) for i, k in enumerate(peft_keys)}
+        by_diffusers = {
+            key: peft_keys[int(tag[0])]
+            for key, tag in convert_state_dict_to_diffusers(tagged).items()
+        }
+        if set(ours) != set(by_diffusers) or any(
+            v.shape != current[by_diffusers[k]].shape for k, v in ours.items()
+        ):
+            raise input_fault(f"weights: the result does not fit the job's LoRA ({name})")
+        set_peft_model_state_dict(module, {by_diffusers[k]: v for k, v in ours.items()})
+
+
+def _adapter_parameters(module: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """The adapter's parameters by the names a checkpoint stores them under (the trainer's
+    `lora_parameters`, taken while they were trainable: LoRA A/B and DoRA magnitudes)."""
+    names = ("lora_A", "lora_B", "lora_magnitude_vector")
+    return [(n, p) for n, p in module.named_parameters() if any(f".{x}." in n for x in names)]

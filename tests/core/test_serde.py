@@ -1,0 +1,203 @@
+"""The spec's defaults live in JobSpec alone; serde fills unset proto fields from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from lorafleet.core.errors import InvalidArgument
+from lorafleet.core.serde import spec_from_proto, spec_to_proto
+from lorafleet.core.spec import JobSpec
+from lorafleet.jobs.v1 import jobs_pb2 as pb
+
+PROMPT = "a photo of sks dog"
+PREFIX = "rex"
+
+
+def test_unset_proto_fields_take_the_specs_own_defaults() -> None:
+    msg = pb.JobSpec(instance_prompt=PROMPT, instance_data_prefix=PREFIX, max_train_steps=5)
+    assert spec_from_proto(msg) == JobSpec(
+        instance_prompt=PROMPT, instance_data_prefix=PREFIX, max_train_steps=5
+    )
+
+
+def test_every_field_survives_a_round_trip() -> None:
+    # Every field away from its default, so a field serde forgot cannot pass unnoticed.
+    spec = JobSpec(
+        instance_prompt=PROMPT,
+        instance_data_prefix=PREFIX,
+        max_train_steps=50,
+        class_prompt="a dog",
+        class_data_prefix="dogs",
+        with_prior_preservation=True,
+        prior_loss_weight=0.5,
+        num_class_images=7,
+        learning_rate=3e-4,
+        train_text_encoder=True,
+        text_encoder_learning_rate=1e-5,
+        lr_scheduler="cosine",
+        lr_warmup_steps=3,
+        lr_num_cycles=2,
+        lr_power=2.0,
+        train_batch_size=2,
+        gradient_accumulation_steps=2,
+        gradient_checkpointing=True,
+        use_8bit_adam=True,
+        mixed_precision="bf16",
+        resolution=512,
+        center_crop=True,
+        random_flip=True,
+        lora_rank=8,
+        lora_alpha=16.0,
+        snr_gamma=5.0,
+        noise_offset=0.1,
+        caption_mode="instance_prompt",
+        checkpointing_steps=10,
+        validation_prompt="a dog on the moon",
+        validation_steps=10,
+        seed=7,
+        base_model="some/model",
+        vae_model="some/vae",
+        min_vram_mb=1024,
+        priority=3,
+        max_failures=5,
+        labels={"team": "pets"},
+        webhook_url="https://example.com/hook",
+        webhook_events=("succeeded",),
+        adam_beta1=0.8,
+        adam_beta2=0.99,
+        adam_weight_decay=0.0,
+        adam_epsilon=1e-7,
+        max_grad_norm=2.0,
+        optimizer="adamw_8bit",
+        prodigy_d_coef=0.5,
+        prodigy_safeguard_warmup=False,
+        prodigy_use_bias_correction=False,
+        use_dora=True,
+        lora_dropout=0.1,
+        repeats=3,
+        aspect_ratio_bucketing=True,
+        validation_prompts=("a dog in the snow", "a dog at night"),
+        validation_negative_prompt="blurry",
+        validation_guidance_scale=7.5,
+        validation_inference_steps=20,
+        num_validation_images=2,
+    )
+    defaults = JobSpec(instance_prompt=PROMPT, instance_data_prefix=PREFIX, max_train_steps=1)
+    same = [
+        f.name
+        for f in dataclasses.fields(JobSpec)
+        if getattr(spec, f.name) == getattr(defaults, f.name)
+    ]
+    # output_format other than diffusers excludes DoRA: its values in specs of their own below.
+    assert same == ["instance_prompt", "instance_data_prefix", "output_format"], (
+        "the round trip must cover all"
+    )
+    assert spec_from_proto(spec_to_proto(spec)) == spec
+    # Prodigy excludes 8-bit Adam: the other enum value in a spec of its own.
+    prodigy = dataclasses.replace(spec, use_8bit_adam=False, optimizer="prodigy")
+    assert spec_from_proto(spec_to_proto(prodigy)) == prodigy
+    for fmt in ("kohya", "both"):
+        other = dataclasses.replace(spec, use_dora=False, output_format=fmt)
+        assert spec_from_proto(spec_to_proto(other)) == other
+
+
+def test_unset_optional_booleans_default_to_true_and_false_survives() -> None:
+    msg = pb.JobSpec(instance_prompt=PROMPT, instance_data_prefix=PREFIX, max_train_steps=5)
+    spec = spec_from_proto(msg)
+    assert spec.prodigy_safeguard_warmup is True
+    assert spec.prodigy_use_bias_correction is True
+    msg.prodigy_safeguard_warmup = False
+    assert spec_from_proto(msg).prodigy_safeguard_warmup is False
+    assert spec_from_proto(msg).prodigy_use_bias_correction is True
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"optimizer": "sgd"}, "optimizer"),
+        ({"optimizer": "prodigy", "use_8bit_adam": True}, "use_8bit_adam"),
+        ({"prodigy_d_coef": 0.0}, "prodigy_d_coef"),
+        ({"lora_dropout": 0.95}, "lora_dropout"),
+        ({"lora_dropout": -0.1}, "lora_dropout"),
+        ({"repeats": 0}, "repeats"),
+        ({"output_format": "onnx"}, "output_format"),
+        ({"output_format": "kohya", "use_dora": True}, "output_format"),
+        ({"output_format": "both", "use_dora": True}, "output_format"),
+    ],
+)
+def test_new_training_options_are_validated(changes: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        JobSpec(instance_prompt=PROMPT, instance_data_prefix=PREFIX, max_train_steps=1, **changes)
+    assert caught.value.field == field
+
+
+# Issue 16: a zero in a field with a default is never read as "unset".
+_REFUSED_ZEROS = (
+    "prior_loss_weight",
+    "num_class_images",
+    "learning_rate",
+    "text_encoder_learning_rate",
+    "lr_num_cycles",
+    "lr_power",
+    "train_batch_size",
+    "gradient_accumulation_steps",
+    "resolution",
+    "lora_rank",
+    "lora_alpha",
+    "checkpointing_steps",
+    "max_failures",
+    "adam_epsilon",
+    "max_grad_norm",
+    "prodigy_d_coef",
+    "repeats",
+)
+
+
+@pytest.mark.parametrize("name", _REFUSED_ZEROS)
+def test_a_zero_where_zero_is_invalid_is_refused_not_defaulted(name: str) -> None:
+    msg = pb.JobSpec(instance_prompt=PROMPT, instance_data_prefix=PREFIX, max_train_steps=5)
+    setattr(msg, name, 0)
+    with pytest.raises(InvalidArgument) as caught:
+        spec_from_proto(msg)
+    assert caught.value.field == name
+
+
+def test_an_empty_base_model_is_refused_not_defaulted() -> None:
+    msg = pb.JobSpec(instance_prompt=PROMPT, instance_data_prefix=PREFIX, max_train_steps=5)
+    msg.base_model = ""
+    with pytest.raises(InvalidArgument) as caught:
+        spec_from_proto(msg)
+    assert caught.value.field == "base_model"
+
+
+@pytest.mark.parametrize("name", ["adam_beta1", "adam_beta2", "adam_weight_decay"])
+def test_a_meaningful_zero_is_honoured(name: str) -> None:
+    msg = pb.JobSpec(instance_prompt=PROMPT, instance_data_prefix=PREFIX, max_train_steps=5)
+    assert getattr(spec_from_proto(msg), name) != 0
+    setattr(msg, name, 0.0)
+    assert getattr(spec_from_proto(msg), name) == 0.0
+
+
+def test_every_field_whose_zero_is_not_the_default_has_presence() -> None:
+    # A field without presence whose JobSpec default is not its zero would turn an explicit
+    # zero into the default: every such field must be `optional` in the proto.
+    defaults = JobSpec(instance_prompt=PROMPT, instance_data_prefix=PREFIX, max_train_steps=1)
+    for field in pb.JobSpec.DESCRIPTOR.fields:
+        required = ("instance_prompt", "instance_data_prefix", "max_train_steps")
+        if field.name in ("labels", "webhook", *required):
+            continue
+        # Enums have their own UNSPECIFIED zero; a repeated field's empty list is its default.
+        if field.enum_type is not None or field.is_repeated:
+            continue
+        default = getattr(defaults, field.name)
+        zero: Any = {field.TYPE_STRING: "", field.TYPE_BOOL: False}.get(field.type, 0)
+        if default != zero:
+            assert field.has_presence, f"{field.name} needs `optional` (default {default!r})"
+
+
+def test_the_default_weight_decay_is_the_diffusers_scripts() -> None:
+    msg = pb.JobSpec(instance_prompt=PROMPT, instance_data_prefix=PREFIX, max_train_steps=5)
+    assert spec_from_proto(msg).adam_weight_decay == 1e-4

@@ -1,0 +1,60 @@
+"""Every log line is one JSON object, the libraries' included (asyncpg's pool, grpc, aiohttp)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pty
+import subprocess
+import sys
+
+import pytest
+import structlog
+
+from lorafleet.core.telemetry import configure_logging
+
+
+def test_library_records_are_json_lines_like_ours(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging(level="INFO", fmt="json")
+    try:
+        raise ConnectionRefusedError("postgres is starting")
+    except ConnectionRefusedError:
+        logging.getLogger("asyncpg.pool").exception("connection failed; retrying")
+    structlog.get_logger("lorafleet.test").info("ours", job_id="j1")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line parses on its own
+    library, ours = records[-2], records[-1]
+    assert library["logger"] == "asyncpg.pool" and library["level"] == "error"
+    assert "ConnectionRefusedError: postgres is starting" in library["exception"]
+    assert ours["event"] == "ours" and ours["job_id"] == "j1"
+
+
+def test_a_terminal_gets_readable_lines_and_a_pipe_json() -> None:
+    """`lorafleet up` in a terminal: no JSON at a person (LORAFLEET_LOG_FORMAT still decides)."""
+    script = (
+        "import structlog\n"
+        "from lorafleet.core.telemetry import configure_logging\n"
+        "configure_logging()\n"
+        "structlog.get_logger().info('hello', job_id='j1')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LORAFLEET_LOG_FORMAT"}
+    piped = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert json.loads(piped.stderr.strip().splitlines()[-1])["event"] == "hello"
+    leader, follower = pty.openpty()
+    try:
+        subprocess.run(
+            [sys.executable, "-c", script],
+            stderr=follower,
+            stdout=subprocess.DEVNULL,
+            env=env,
+            timeout=60,
+            check=True,
+        )
+        on_tty = os.read(leader, 65536).decode(errors="replace")
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert "hello" in on_tty and "job_id" in on_tty and not on_tty.lstrip().startswith("{")

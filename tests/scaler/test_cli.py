@@ -1,0 +1,229 @@
+"""`lorafleet nodes`, `lorafleet scaler-log` and `lorafleet scaler --once --dry-run` against a real
+ledger (and the SaladCloud double), as an operator runs them; and the ledger reads behind them."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from lorafleet.app.main import build_parser
+from lorafleet.app.services import run_nodes, run_scaler, run_scaler_log
+from lorafleet.core.model import Machine, Qualification
+from lorafleet.core.spec import JobSpec
+from lorafleet.scheduler.ledger import Ledger, NewJob
+from tests.scaler.salad_double import SaladDouble
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _job(**spec: object) -> NewJob:
+    return NewJob(
+        job_id=str(uuid.uuid4()),
+        spec=JobSpec(
+            instance_prompt="a photo of sks dog",
+            instance_data_prefix="dogs/rex",
+            max_train_steps=100,
+            **spec,  # type: ignore[arg-type]
+        ),
+        idempotency_key="",
+        traceparent="",
+    )
+
+
+async def _machine(ledger: Ledger, machine_id: str, *, qualified: bool = True) -> None:
+    assert await ledger.claim_machine_session(
+        machine_id, presented_sha256=None, new_sha256=bytes(32), silent_s=30
+    )
+    await ledger.upsert_machine(
+        Machine(
+            machine_id=machine_id,
+            provider_instance_id=f"i-{machine_id}",
+            gpu_model="NVIDIA L4",
+            vram_mb=24_576,
+            qualified=qualified,
+            version="1.0",
+        ),
+        Qualification(
+            passed=qualified,
+            detail="ok" if qualified else "matmul 2 TFLOPS, below 10",
+            tflops=30.0,
+            free_memory_mb=20_000,
+            free_disk_mb=50_000,
+            versions={},
+        ),
+    )
+
+
+@pytest.fixture
+async def populated(ledger: Ledger) -> dict[str, str]:
+    """m1 runs a 512 px job at 1.5 s/step over 20 steps; m2 failed its probe; two decisions."""
+    await _machine(ledger, "m1")
+    await _machine(ledger, "m2", qualified=False)
+    (job,) = await ledger.insert_jobs("alice", [_job(resolution=512)])
+    leased = await ledger.claim_job("m1", 24_576, 30, secret_sha256=bytes(32))
+    assert leased is not None and leased.lease_id is not None
+    for step in (5, 25):
+        assert await ledger.heartbeat(
+            leased.lease_id,
+            leased.epoch,
+            30,
+            step=step,
+            loss=0.1,
+            learning_rate=1e-4,
+            seconds_per_step=1.5,
+        )
+    for _ in range(2):
+        await ledger.record_scaler_decision(
+            at=1_000.0,
+            scaler_id="s1",
+            action="hold",
+            target="fleet",
+            job_id=None,
+            reason="no work for 12 s of the 600 s idle grace",
+            figures={"idle_s": 12},
+            fold_key="hold:no work for # s",
+        )
+    decision_id, folded = await ledger.record_scaler_decision(
+        at=1_010.0,
+        scaler_id="s1",
+        action="reallocate",
+        target="i-m2",
+        job_id=None,
+        reason="node m2 failed its qualification probe",
+        figures={"machine_id": "m2"},
+    )
+    assert not folded
+    await ledger.finish_scaler_decision(decision_id, applied=False, error="refused: HTTP 404")
+    return {"job": job.job_id}
+
+
+async def test_the_ledger_reads_behind_the_snapshot(
+    ledger: Ledger, populated: dict[str, str]
+) -> None:
+    nodes = {n.machine_id: n for n in await ledger.list_nodes(None, fault_window_s=60, limit=10)}
+    assert nodes["m1"].lease_job_id == populated["job"] and nodes["m1"].qualified is True
+    assert nodes["m2"].qualified is False and nodes["m2"].lease_job_id is None
+    assert [n.machine_id for n in await ledger.list_nodes(["m2"], fault_window_s=60, limit=5)] == [
+        "m2"
+    ]
+    (sample,) = await ledger.step_samples(3600, 100)
+    assert (sample.machine_id, sample.seconds_per_step, sample.steps) == ("m1", 1.5, 20)
+    assert (sample.resolution, sample.batch_size, sample.train_text_encoder) == (512, 1, False)
+    assert sample.gpu_class == "NVIDIA L4"
+    work = await ledger.scaler_work()
+    assert (work.queued, work.running) == (0, 1)
+    # Only carried-out actions count for cooldowns and rate limits: neither HOLD nor a failure.
+    assert await ledger.recent_scaler_actions(0.0) == []
+
+    # Dropping the lease: queued again with no failure counted, the machine banned for it.
+    dropped = await ledger.drop_lease("m1", populated["job"], "slow")
+    assert dropped is not None and dropped.state.value == "QUEUED" and dropped.failures == 0
+    assert await ledger.drop_lease("m1", populated["job"], "slow") is None
+    (banned,) = await ledger.banned_queued_jobs(10)
+    assert banned.banned_machines == ("m1",)
+    assert await ledger.claim_job("m1", 24_576, 30, secret_sha256=bytes(32)) is None
+
+
+async def test_nodes_as_a_table_and_as_json(
+    database_url: str, populated: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = build_parser(with_services=True)
+    assert await run_nodes(parser.parse_args(["nodes", "--database-url", database_url])) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["MACHINE", "INSTANCE", "GPU"]
+    m1 = next(line for line in table if line.startswith("m1 "))
+    assert populated["job"] in m1 and "512px b1: 1.5" in m1 and "24 GiB" in m1
+    m2 = next(line for line in table if line.startswith("m2 "))
+    assert "NO (matmul 2 TFLOPS" in m2 and "idle" in m2
+
+    args = parser.parse_args(["nodes", "--json", "--database-url", database_url])
+    assert await run_nodes(args) == 0
+    rows = {r["machine_id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert rows["m1"]["seconds_per_step_by_shape"] == {"512px b1": 1.5}
+    assert rows["m1"]["lease_job_id"] == populated["job"] and rows["m2"]["qualified"] is False
+    assert rows["m1"]["node_faults"] == 0 and rows["m1"]["jobs_finished"] == 0
+
+
+async def test_scaler_log_shows_decisions_with_reasons_and_outcomes(
+    database_url: str, populated: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = build_parser(with_services=True)
+    args = parser.parse_args(["scaler-log", "--json", "--database-url", database_url])
+    assert await run_scaler_log(args) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["action"], r["repeats"], r["applied"]) for r in rows] == [
+        ("reallocate", 1, False),
+        ("hold", 2, False),
+    ]
+    assert rows[0]["error"] == "refused: HTTP 404" and rows[0]["figures"] == {"machine_id": "m2"}
+
+    # The same through `nodes --log`, as a table.
+    args = parser.parse_args(["nodes", "--log", "--database-url", database_url])
+    assert await run_nodes(args) == 0
+    out = capsys.readouterr().out
+    assert "NOT APPLIED: refused: HTTP 404" in out and "held x2" in out
+    assert "[machine_id=m2]" in out
+
+
+async def test_scaler_once_dry_run_prints_and_changes_nothing(
+    database_url: str,
+    ledger: Ledger,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    double = SaladDouble()
+    await double.start()
+    try:
+        await ledger.insert_jobs("alice", [_job(), _job()])
+        monkeypatch.setenv("SALAD_API_KEY", double.api_key)
+        args = build_parser(with_services=True).parse_args(
+            [
+                "scaler",
+                "--once",
+                "--dry-run",
+                "--provider",
+                "salad",
+                "--salad-organization",
+                double.org,
+                "--salad-project",
+                double.project,
+                "--salad-group",
+                double.group,
+                "--salad-base-url",
+                double.base_url,
+                "--database-url",
+                database_url,
+            ]
+        )
+        assert await run_scaler(args) == 0
+    finally:
+        await double.close()
+    out = capsys.readouterr().out
+    assert (
+        "dry run: would scale fleet to 2 replicas: 2 queued + 0 running jobs: 0 -> 2 replicas"
+        in out
+    )
+    assert double.actions == [] and double.replicas == 0
+    assert await ledger.list_scaler_decisions(10) == []
+
+
+@pytest.mark.parametrize(
+    ("gpus", "max_workers", "min_workers", "bounds"),
+    [
+        (0, None, 0, (0, 1)),  # `up` on a CPU machine: one CPU worker when there is work
+        (4, None, 0, (0, 4)),  # one per GPU
+        (4, 2, 0, (0, 2)),  # --workers caps it
+        (2, 8, 0, (0, 2)),  # never more than the GPUs (each worker is pinned to one)
+        (0, 3, 0, (0, 3)),  # CPU workers as asked
+        (0, 1, 1, (1, 1)),  # the demo: one worker at once
+        (2, None, 5, (2, 2)),  # the minimum never above the maximum
+    ],
+)
+def test_up_maps_workers_onto_the_scalers_bounds(
+    gpus: int, max_workers: int | None, min_workers: int, bounds: tuple[int, int]
+) -> None:
+    from lorafleet.app.local import worker_bounds
+
+    assert worker_bounds(gpus, max_workers=max_workers, min_workers=min_workers) == bounds

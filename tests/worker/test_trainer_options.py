@@ -1,0 +1,301 @@
+"""The trainer options of issue 14 on the tiny model (DoRA, LoRA dropout, Prodigy, repeats),
+and a run's randomness kept in its own generators (issue 12)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from lorafleet.core.model import FailureClass
+from lorafleet.worker.training import (
+    KOHYA_WEIGHT_NAME,
+    LORA_WEIGHT_NAME,
+    Finished,
+    Stopped,
+    Trainer,
+    TrainingFailure,
+    load_checkpoint,
+    serialize_checkpoint,
+)
+from tests.worker.support import (
+    SAMPLING_WARNING,
+    Recorder,
+    TrainFn,
+    instance_images,
+    lora_tensors,
+    make_config,
+    same_tensors,
+    tiny_spec,
+)
+
+# Untyped in diffusers.
+_Pipeline: Any = diffusers.StableDiffusionXLPipeline
+
+
+def _generate(pipe: Any) -> np.ndarray[Any, Any]:
+    image = pipe(
+        "a photo of sks dog",
+        num_inference_steps=2,
+        height=64,
+        width=64,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).images[0]
+    return np.asarray(image)
+
+
+def _global_states() -> tuple[Any, Any, torch.Tensor]:
+    return random.getstate(), np.random.get_state(legacy=True), torch.get_rng_state()
+
+
+def _same_global_states(a: tuple[Any, Any, torch.Tensor], b: tuple[Any, Any, torch.Tensor]) -> bool:
+    np_a, np_b = a[1], b[1]
+    return (
+        a[0] == b[0]
+        and all(np.array_equal(x, y) for x, y in zip(np_a, np_b, strict=True))
+        and torch.equal(a[2], b[2])
+    )
+
+
+_ISOLATED = "LORAFLEET_TEST_ISOLATED"
+
+
+def test_a_run_never_seeds_or_draws_from_the_process_generators(train: TrainFn) -> None:
+    """Python's `random` (OpenTelemetry's span ids), NumPy's and torch's global generators are
+    exactly as the run found them, after a fresh run and after a resumed one; so two jobs with
+    the same seed leave different numbers to draw, and the results do not depend on them.
+
+    In a process of its own: threads other tests leave behind (an OpenTelemetry exporter, a
+    worker's gRPC loop) draw from these same generators while the run steps."""
+    if os.environ.get(_ISOLATED) != "1":
+        test_id = f"{__file__}::test_a_run_never_seeds_or_draws_from_the_process_generators"
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_id],
+            env={**os.environ, _ISOLATED: "1"},
+            capture_output=True,
+            text=True,
+            timeout=250,
+            check=False,
+        )
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+        return
+    spec = tiny_spec(max_train_steps=3, lora_dropout=0.2, random_flip=True)
+    random.seed(1234)
+    before = _global_states()
+    first, _ = train(spec, recorder=Recorder(stop_at=1))
+    assert isinstance(first, Stopped) and first.snapshot is not None
+    assert _same_global_states(before, _global_states())
+    span_id_after_first = random.getrandbits(64)
+
+    # Other global states, same job: the same result, and the globals still untouched.
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    before = _global_states()
+    resumed, _ = train(spec, resume=load_checkpoint(serialize_checkpoint(first.snapshot)))
+    assert _same_global_states(before, _global_states())
+    assert random.getrandbits(64) != span_id_after_first
+    full, _ = train(spec)
+    assert same_tensors(lora_tensors(full), lora_tensors(resumed))
+
+
+@pytest.mark.filterwarnings(SAMPLING_WARNING)
+def test_dora_adapters_train_load_and_change_the_images(
+    train: TrainFn, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    outcome, _ = train(tiny_spec(max_train_steps=2, use_dora=True, train_text_encoder=True))
+    assert isinstance(outcome, Finished)
+    tensors = lora_tensors(outcome)
+    magnitudes = [k for k in tensors if "lora_magnitude_vector" in k]
+    assert {k.split(".", 1)[0] for k in magnitudes} == {"unet", "text_encoder", "text_encoder_2"}
+    plain, _ = train(tiny_spec(max_train_steps=2, train_text_encoder=True))
+    assert not any("magnitude" in k for k in lora_tensors(plain))
+
+    (tmp_path / LORA_WEIGHT_NAME).write_bytes(outcome.lora_weights)
+    pipe = _Pipeline.from_pretrained(tiny_model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    before = _generate(pipe)
+    pipe.load_lora_weights(tmp_path, weight_name=LORA_WEIGHT_NAME)
+    after = _generate(pipe)
+    assert next(iter(pipe.unet.peft_config.values())).use_dora
+    assert np.isfinite(after).all()
+    assert not np.array_equal(before, after)
+
+
+def test_lora_dropout_changes_training_and_stays_reproducible(train: TrainFn) -> None:
+    plain, _ = train(tiny_spec(max_train_steps=3))
+    dropped, _ = train(tiny_spec(max_train_steps=3, lora_dropout=0.5))
+    again, _ = train(tiny_spec(max_train_steps=3, lora_dropout=0.5))
+    assert not same_tensors(lora_tensors(plain), lora_tensors(dropped))
+    assert same_tensors(lora_tensors(dropped), lora_tensors(again))
+
+
+def test_prodigy_learns_its_step_size_and_checkpoints_its_state(train: TrainFn) -> None:
+    spec = tiny_spec(
+        max_train_steps=4,
+        checkpointing_steps=2,
+        optimizer="prodigy",
+        learning_rate=1.0,
+        prodigy_d_coef=2.0,
+    )
+    outcome, recorder = train(spec)
+    assert isinstance(outcome, Finished)
+    [snapshot] = recorder.snapshots
+    group = snapshot.state["optimizer"]["param_groups"][0]
+    # Prodigy's own settings and its step-size estimate (its state beside the moments) are in
+    # the checkpoint.
+    assert group["d_coef"] == 2.0
+    assert group["safeguard_warmup"] is True
+    assert group["use_bias_correction"] is True
+    assert group["k"] == 2
+    assert group["d_numerator"] > 0
+    assert any(key.endswith("/p0") for key in snapshot.tensors)
+    adamw, _ = train(tiny_spec(max_train_steps=4, learning_rate=1.0))
+    assert not same_tensors(lora_tensors(outcome), lora_tensors(adamw))
+
+
+def test_repeats_lengthen_the_epoch(tiny_model_dir: Path) -> None:
+    def epochs_after(steps: int, repeats: int) -> int:
+        recorder = Recorder(stop_at=steps)
+        spec = tiny_spec(max_train_steps=20, repeats=repeats)
+        outcome = Trainer(make_config(tiny_model_dir, spec)).run(
+            instance_images=instance_images(3), hooks=recorder.hooks()
+        )
+        assert isinstance(outcome, Stopped) and outcome.snapshot is not None
+        order: dict[str, Any] = outcome.snapshot.state["data_order"]
+        assert order["size"] == 3 * repeats
+        # Each image appears `repeats` times in an epoch's permutation.
+        assert sorted(i % 3 for i in order["permutation"]) == sorted([0, 1, 2] * repeats)
+        return int(order["epoch"])
+
+    assert epochs_after(4, repeats=1) == 2
+    assert epochs_after(4, repeats=2) == 1
+
+
+def test_prodigy_missing_is_a_node_fault(train: TrainFn, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "prodigyopt" else real(name)
+    )
+    with pytest.raises(TrainingFailure, match="optimizer: prodigy") as caught:
+        train(tiny_spec(optimizer="prodigy", learning_rate=1.0))
+    assert caught.value.failure_class is FailureClass.NODE
+
+
+def test_8bit_adam_by_name_is_refused_on_the_cpu(train: TrainFn) -> None:
+    with pytest.raises(TrainingFailure, match="optimizer: 8-bit Adam") as caught:
+        train(tiny_spec(optimizer="adamw_8bit"))
+    assert caught.value.failure_class is FailureClass.INPUT
+
+
+def test_dropout_masks_survive_gradient_checkpointing(train: TrainFn) -> None:
+    """Recomputing a checkpointed forward pass draws the same dropout masks (torch's checkpoint
+    restores the default generator, which inside a step is the run's own stream): the
+    gradients, and so the weights, are those of the run without checkpointing."""
+    spec: dict[str, Any] = {"max_train_steps": 2, "lora_dropout": 0.5, "train_text_encoder": True}
+    plain, _ = train(tiny_spec(**spec))
+    checkpointed, _ = train(tiny_spec(gradient_checkpointing=True, **spec))
+    a, b = lora_tensors(plain), lora_tensors(checkpointed)
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+# Raised inside torch's own compile stack while it imports.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+# Raised by dynamo itself while it inspects the text encoders' parameters (not by our code).
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_compiled_model_trains_the_same_weights_and_resumes_exactly(train: TrainFn) -> None:
+    """`compile_model` (torch.compile of the UNet and the trained text encoders) changes how
+    the step runs, not what it trains: the result is that of the eager run up to float
+    rounding, and a compiled run interrupted and resumed (compiling again) is bit-identical to
+    an uninterrupted compiled one."""
+    spec = tiny_spec(max_train_steps=4, random_flip=True, train_text_encoder=True)
+    eager, eager_steps = train(spec)
+    compiled, compiled_steps = train(spec, compile_model=True)
+    # The first step's loss is computed from identical weights: the same up to rounding.
+    # (Later ones drift apart: Adam turns rounding-sized gradients into full-size updates.)
+    assert compiled_steps.progress[0][1] == pytest.approx(eager_steps.progress[0][1], rel=1e-5)
+    a, b = lora_tensors(eager), lora_tensors(compiled)
+    assert a.keys() == b.keys()
+    # Measured: at most 2.5e-4 relative difference per tensor after 4 steps.
+    assert all((a[k] - b[k]).norm() <= 1e-3 * a[k].norm() for k in a)
+    first, _ = train(spec, recorder=Recorder(stop_at=2), compile_model=True)
+    assert isinstance(first, Stopped) and first.snapshot is not None
+    resumed, _ = train(
+        spec, resume=load_checkpoint(serialize_checkpoint(first.snapshot)), compile_model=True
+    )
+    assert same_tensors(lora_tensors(compiled), lora_tensors(resumed))
+
+
+@pytest.mark.filterwarnings(SAMPLING_WARNING)
+@pytest.mark.parametrize("train_text_encoder", [False, True], ids=["unet", "text-encoders"])
+def test_both_output_formats_load_and_change_the_images(
+    train: TrainFn, tiny_model_dir: Path, tmp_path: Path, train_text_encoder: bool
+) -> None:
+    """output_format both: the diffusers file loads with load_lora_weights, the kohya file
+    (lora_unet_/lora_te1_/lora_te2_ keys, lora_down/lora_up, .alpha = lora_alpha) with
+    diffusers' own kohya-format loader; each changes the pipeline's images, and the two the
+    same way."""
+    options: dict[str, Any] = {
+        "max_train_steps": 2,
+        "lora_alpha": 8.0,
+        "train_text_encoder": train_text_encoder,
+    }
+    outcome, _ = train(tiny_spec(output_format="both", **options))
+    assert isinstance(outcome, Finished) and outcome.kohya_weights is not None
+    kohya = safetensors.torch.load(outcome.kohya_weights)
+    prefixes = {"lora_unet", "lora_te1", "lora_te2"} if train_text_encoder else {"lora_unet"}
+    assert {"_".join(k.split("_", 2)[:2]) for k in kohya} == prefixes
+    alphas = [v for k, v in kohya.items() if k.endswith(".alpha")]
+    assert alphas and all(float(a) == 8.0 for a in alphas)
+    assert any(k.endswith(".lora_down.weight") for k in kohya)
+    # What is trained does not depend on the format: the diffusers file is the default run's.
+    plain, _ = train(tiny_spec(**options))
+    assert isinstance(plain, Finished) and plain.kohya_weights is None
+    assert same_tensors(lora_tensors(plain), lora_tensors(outcome))
+
+    (tmp_path / LORA_WEIGHT_NAME).write_bytes(outcome.lora_weights)
+    (tmp_path / KOHYA_WEIGHT_NAME).write_bytes(outcome.kohya_weights)
+    pipe = _Pipeline.from_pretrained(tiny_model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    before = _generate(pipe)
+    pipe.load_lora_weights(tmp_path, weight_name=LORA_WEIGHT_NAME, adapter_name="diffusers")
+    with_diffusers = _generate(pipe)
+    pipe.unload_lora_weights()
+    assert np.array_equal(_generate(pipe), before)
+    pipe.load_lora_weights(tmp_path, weight_name=KOHYA_WEIGHT_NAME, adapter_name="kohya")
+    with_kohya = _generate(pipe)
+    assert not np.array_equal(before, with_diffusers)
+    assert not np.array_equal(before, with_kohya)
+    np.testing.assert_allclose(with_kohya, with_diffusers, atol=1e-4)
+
+
+def test_kohya_only_output_writes_the_kohya_file(train: TrainFn) -> None:
+    outcome, _ = train(tiny_spec(max_train_steps=1, output_format="kohya"))
+    assert isinstance(outcome, Finished) and outcome.kohya_weights is not None
+    assert all(k.startswith("lora_unet_") for k in safetensors.torch.load(outcome.kohya_weights))
+
+
+def test_a_resumed_run_writes_the_same_kohya_file(train: TrainFn) -> None:
+    spec = tiny_spec(max_train_steps=3, output_format="both", random_flip=True)
+    full, _ = train(spec)
+    first, _ = train(spec, recorder=Recorder(stop_at=1))
+    assert isinstance(first, Stopped) and first.snapshot is not None
+    resumed, _ = train(spec, resume=load_checkpoint(serialize_checkpoint(first.snapshot)))
+    assert isinstance(full, Finished) and isinstance(resumed, Finished)
+    assert full.kohya_weights is not None and resumed.kohya_weights == full.kohya_weights
+    assert resumed.lora_weights == full.lora_weights
