@@ -63,6 +63,7 @@ async def replica(database_url: str, data_dir: Path) -> AsyncIterator[int]:
         stdout=subprocess.DEVNULL,
     )
     assert proc.stderr is not None
+    drain: asyncio.Task[bytes] | None = None
     try:
         port = 0
         async with asyncio.timeout(60):
@@ -74,12 +75,18 @@ async def replica(database_url: str, data_dir: Path) -> AsyncIterator[int]:
         drain = asyncio.create_task(proc.stderr.read())
         yield port
     finally:
-        if proc.returncode is None:
+        # Also when the body failed: a replica that died explains the failure, so its exit
+        # status and log are raised here (the body's error stays attached as the context).
+        died_early = proc.returncode is not None
+        if not died_early:
             proc.terminate()
         async with asyncio.timeout(30):
             await proc.wait()
-    output = (await drain).decode(errors="replace")
-    assert proc.returncode == 0, f"replica exited with {proc.returncode}: {output[-3000:]}"
+        output = (await drain).decode(errors="replace") if drain else ""
+        assert proc.returncode == 0 and not died_early, (
+            f"replica exited with {proc.returncode}"
+            f" ({'on its own' if died_early else 'after SIGTERM'}): {output[-3000:]}"
+        )
 
 
 async def run_worker(
@@ -227,7 +234,11 @@ async def test_two_replicas_fifty_workers_never_grant_twice(
         assert [lease["epoch"] for lease in job_leases] == list(range(1, len(job_leases) + 1))
         for earlier, later in itertools.pairwise(job_leases):
             # A lease is only granted after the previous one ended: never two live at once.
-            assert earlier["ended_at"] is not None and earlier["ended_at"] <= later["granted_at"]
+            assert earlier["ended_at"] is not None and earlier["ended_at"] <= later["granted_at"], (
+                f"lease {earlier['epoch']} on {earlier['machine_id']} ended"
+                f" ({earlier['end_reason']}) at {earlier['ended_at']}, lease {later['epoch']}"
+                f" on {later['machine_id']} granted at {later['granted_at']}"
+            )
     for job_id in job_ids:
         row = jobs[job_id]
         if job_id in canceled and row["state"] == "CANCELED":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import uuid
 
@@ -9,10 +10,11 @@ import aiohttp
 import grpc
 import pytest
 
-from lorafleet.core.model import checkpoint_key, result_key
+from lorafleet.core.model import Job, checkpoint_key, result_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.scheduler.ledger import Ledger
+from lorafleet.scheduler.signing import UrlSigner
 from tests.scheduler.conftest import Fleet
 from tests.scheduler.harness import connect_worker
 
@@ -259,6 +261,39 @@ async def test_cancel_is_pushed_to_the_holder(fleet: Fleet) -> None:
         await worker.heartbeat(granted.lease, 1)
         await worker.expect("rejected")
     assert (await fleet.alice.cancel(job.job_id)).state == pb.JOB_STATE_CANCELED  # idempotent
+
+
+async def test_a_job_canceled_while_its_grant_is_signed_is_never_granted(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancel lands between the claim and the grant (found by the two-replica test, where
+    it killed the scheduler): the worker is never granted the canceled job, and its Ready is
+    still answered, with the next job."""
+    signing, release = asyncio.Event(), asyncio.Event()
+    sign = UrlSigner.lease_urls
+
+    async def held_first(self: UrlSigner, job: Job) -> fpb.JobUrls:
+        if not signing.is_set():
+            signing.set()
+            await release.wait()
+        return await sign(self, job)
+
+    monkeypatch.setattr(UrlSigner, "lease_urls", held_first)
+    first = await fleet.alice.submit()
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        await worker.send(ready=fpb.Ready())
+        await asyncio.wait_for(signing.wait(), 10)
+        await fleet.alice.cancel(first.job_id)
+        # The revoke reaches the worker before any grant could: the claim is already ended.
+        await worker.expect("lease_revoked")
+        second = await fleet.alice.submit()
+        release.set()
+        granted = await worker.expect("lease_granted")
+    assert granted.lease.job_id == second.job_id
+    assert [m for m in worker.received if m.WhichOneof("message") == "lease_granted"] == [
+        worker.received[-1]
+    ]
+    assert (await fleet.alice.get(first.job_id)).state == pb.JOB_STATE_CANCELED
 
 
 async def test_reconnect_within_ttl_keeps_the_lease(fleet: Fleet) -> None:

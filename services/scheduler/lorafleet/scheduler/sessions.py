@@ -808,24 +808,32 @@ class WorkerSessions:
                 traceparent=traceparent_of(span),
                 output_format=job.spec.output_format,
             )
-            span.set_attributes(_lease_attributes(session.lease, session))
+            lease = session.lease
+            span.set_attributes(_lease_attributes(lease, session))
             with trace.use_span(span, end_on_exit=True):
                 try:
                     urls = await self._signer.lease_urls(job)
                 except Exception:
                     log.exception("could not sign the job's URLs; re-queueing", job_id=job.job_id)
-                    session.lease = None
-                    session.state = SessionState.IDLE
+                    self._grant_abandoned(session, lease)
                     await self._ledger.drain_lease(job.lease_id, job.epoch, "storage unavailable")
                     return False
-                session.lease.urls_expire_at = time.monotonic() + self._url_ttl_s
+                if session.lease is not lease or session.state is not SessionState.LEASED:
+                    span.set_attribute("lorafleet.refused", True)
+                    if self._grant_abandoned(session, lease):
+                        await self._ledger.drain_lease(
+                            job.lease_id, job.epoch, "worker left during grant"
+                        )
+                    self.wake()  # the job, or this worker, may be offered again at once
+                    return False
+                lease.urls_expire_at = time.monotonic() + self._url_ttl_s
                 session.send(
                     fpb.ConnectResponse(
                         lease_granted=fpb.LeaseGranted(
                             lease=self._lease_proto(job),
                             spec=spec_to_proto(job.spec.for_worker()),
                             urls=urls,
-                            traceparent=session.lease.traceparent,
+                            traceparent=lease.traceparent,
                             lease_secret=lease_secret,
                         )
                     )
@@ -842,6 +850,21 @@ class WorkerSessions:
             return True
         finally:
             session.claiming = False
+
+    def _grant_abandoned(self, session: WorkerSession, lease: ActiveLease) -> bool:
+        """A grant being prepared for `session` will not be sent. True when the lease is still
+        live and the caller must end it in the ledger; False when something else already ended
+        it while the grant's URLs were signed (a cancel or a newer epoch: `_revoke` told the
+        worker about a lease it never saw, which it ignores).
+
+        A worker still on its stream never saw the lease and still waits for an answer to its
+        Ready, so its session goes back to idle (the next dispatch round offers it work)."""
+        still_live = session.lease is lease
+        if still_live:
+            session.lease = None
+        if session.state in (SessionState.LEASED, SessionState.CONNECTED):
+            session.state = SessionState.IDLE
+        return still_live
 
     # Sample tasks (issue 13; see the module docstring) ---------------------------------------
 
@@ -871,7 +894,8 @@ class WorkerSessions:
             traceparent=traceparent_of(span),
             task=task,
         )
-        span.set_attributes(_lease_attributes(session.lease, session, step=task.step))
+        lease = session.lease
+        span.set_attributes(_lease_attributes(lease, session, step=task.step))
         with trace.use_span(span, end_on_exit=True):
             try:
                 weights, uploads = await self._signer.sample_task_urls(task)
@@ -879,9 +903,14 @@ class WorkerSessions:
                 log.exception(
                     "could not sign a sample task's URLs; re-queueing", task_id=task.task_id
                 )
-                session.lease = None
-                session.state = SessionState.IDLE
+                self._grant_abandoned(session, lease)
                 await self._ledger.drain_sample_task(task.lease_id, task.epoch)
+                return False
+            if session.lease is not lease or session.state is not SessionState.LEASED:
+                span.set_attribute("lorafleet.refused", True)
+                if self._grant_abandoned(session, lease):
+                    await self._ledger.drain_sample_task(task.lease_id, task.epoch)
+                self.wake()
                 return False
             expires = datetime.now(UTC) + timedelta(seconds=self._lease_ttl_s)
             session.send(

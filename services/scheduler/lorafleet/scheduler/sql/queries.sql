@@ -139,8 +139,13 @@ WITH candidate AS (
     FROM candidate c WHERE j.job_id = c.job_id
     RETURNING j.*
 ), leased AS (
-    INSERT INTO leases (lease_id, job_id, epoch, machine_id, secret_sha256)
-    SELECT lease_id, job_id, epoch, machine_id, $5 FROM granted
+    -- granted_at is the clock when the row was locked, not now() (the statement's start): a
+    -- statement that starts first can still grant a job a later transaction re-queued, and the
+    -- ledger must show the previous lease ending before this one began.
+    INSERT INTO leases (lease_id, job_id, epoch, machine_id, secret_sha256, granted_at,
+                        last_heartbeat_at)
+    SELECT lease_id, job_id, epoch, machine_id, $5, clock_timestamp(), clock_timestamp()
+    FROM granted
 ), logged AS (
     INSERT INTO job_events (job_id, kind, state, lease_id, machine_id, epoch, step)
     -- The step the lease starts from: its newest checkpoint (0 when fresh), not the last
