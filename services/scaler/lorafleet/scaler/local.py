@@ -206,7 +206,8 @@ class LocalProcessProvider:
             return
         process.send_signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(process.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await process.wait()
         except TimeoutError:
             log.warning("worker did not drain in time; killing it", machine_id=slot.machine_id)
             process.kill()

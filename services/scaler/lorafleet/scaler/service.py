@@ -259,7 +259,8 @@ class Scaler(AsyncLifecycle):
         loop = asyncio.get_running_loop()
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._tick_interval_s)
+                async with asyncio.timeout(self._tick_interval_s):
+                    await self._wake.wait()
             gap = last + self._min_tick_gap_s - loop.time()
             if gap > 0:
                 # Notifications come in bursts: at most one provider round per gap.

@@ -99,4 +99,5 @@ class JobStateCollector(Collector):
         yield family
 
     async def _read(self) -> dict[str, int]:
-        return await asyncio.wait_for(self._count(self._cap), self._timeout_s)
+        async with asyncio.timeout(self._timeout_s):
+            return await self._count(self._cap)

@@ -142,7 +142,8 @@ class Scheduler(AsyncLifecycle):
         await self._storage.start()
         self._notifications = Notifications(self.database_url)
         self._tasks.append(asyncio.create_task(self._notifications.run(), name="listen"))
-        await asyncio.wait_for(self._notifications.wait_connected(), timeout=30)
+        async with asyncio.timeout(30):
+            await self._notifications.wait_connected()
         signer = UrlSigner(
             storage=self._storage,
             ledger=self._ledger,
@@ -281,7 +282,8 @@ class Scheduler(AsyncLifecycle):
         serving = True
         while True:
             try:
-                await asyncio.wait_for(self.ledger.count_queued(1), timeout=max(interval_s, 2.0))
+                async with asyncio.timeout(max(interval_s, 2.0)):
+                    await self.ledger.count_queued(1)
                 reachable = True
             except Exception as exc:
                 reachable = False

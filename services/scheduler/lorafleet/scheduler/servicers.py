@@ -340,7 +340,8 @@ class WorkerServicer(fgrpc.WorkerServiceServicer):
     ) -> None:
         try:
             check_worker_token(context.invocation_metadata() or (), self._worker_token)
-            first = await asyncio.wait_for(anext(request_iterator), self._hello_timeout_s)
+            async with asyncio.timeout(self._hello_timeout_s):
+                first = await anext(request_iterator)
             if first.WhichOneof("message") != "hello":
                 raise InvalidArgument("hello", "the first message on the stream must be Hello")
             session = await self._sessions.open_session(first.hello)

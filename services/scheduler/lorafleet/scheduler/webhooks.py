@@ -283,7 +283,8 @@ class WebhookSender:
                         raise
                     log.warning("webhook round failed; the ledger is unavailable", error=str(exc))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), wait_s)
+                    async with asyncio.timeout(wait_s):
+                        await self._wake.wait()
                 self._wake.clear()
 
     async def deliver_due(self, http: aiohttp.ClientSession) -> int:

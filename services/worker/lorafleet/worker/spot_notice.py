@@ -106,7 +106,8 @@ async def watch_spot_notice(
                     log.warning("spot notice: metadata service unreachable", error=repr(exc))
                     warned = True
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval_s)
+                async with asyncio.timeout(interval_s):
+                    await stop.wait()
     return None
 
 

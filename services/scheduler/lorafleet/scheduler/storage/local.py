@@ -377,7 +377,8 @@ class LocalObjectServer(AsyncLifecycle):
             return
         await runner.cleanup()
         try:
-            await asyncio.wait_for(self._idle.wait(), self._config.shutdown_timeout_s)
+            async with asyncio.timeout(self._config.shutdown_timeout_s):
+                await self._idle.wait()
         except TimeoutError:
             for task in list(self._in_flight):
                 task.cancel()
