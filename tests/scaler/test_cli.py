@@ -209,6 +209,44 @@ async def test_scaler_once_dry_run_prints_and_changes_nothing(
     assert await ledger.list_scaler_decisions(10) == []
 
 
+async def test_scaler_once_exits_non_zero_when_the_provider_fails(
+    database_url: str,
+    ledger: Ledger,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    double = SaladDouble()
+    await double.start()
+    try:
+        await ledger.insert_jobs("alice", [_job()])
+        double.inject("500", count=1_000)
+        monkeypatch.setenv("SALAD_API_KEY", double.api_key)
+        args = build_parser(with_services=True).parse_args(
+            [
+                "scaler",
+                "--once",
+                "--provider",
+                "salad",
+                "--salad-organization",
+                double.org,
+                "--salad-project",
+                double.project,
+                "--salad-group",
+                double.group,
+                "--salad-base-url",
+                double.base_url,
+                "--database-url",
+                database_url,
+            ]
+        )
+        assert await run_scaler(args) == 1
+    finally:
+        await double.close()
+    assert "the provider failed" in capsys.readouterr().out
+    (hold,) = await ledger.list_scaler_decisions(10)
+    assert (hold.action, hold.target, hold.applied) == ("hold", "provider", False)
+
+
 @pytest.mark.parametrize(
     ("gpus", "max_workers", "min_workers", "bounds"),
     [

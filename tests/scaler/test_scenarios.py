@@ -407,7 +407,8 @@ async def test_a_provider_outage_neither_crashes_nor_misleads_the_scaler(world: 
     await world.submit(2)
     for _ in range(4):
         world.advance(15)
-        assert await scaler.tick() == []
+        (held,) = await scaler.tick()
+        assert held.decision.action is Action.HOLD and not held.applied and held.error
     assert world.double.actions == before  # nothing was done on a blind view
     log = await world.ledger.list_scaler_decisions(10)
     outage = log[0]

@@ -235,16 +235,17 @@ class Scaler(AsyncLifecycle):
 
     # -- the loop ------------------------------------------------------------------------------
 
-    async def run(self, *, once: bool = False) -> None:
-        """Acquire, then tick on every wake-up and every `tick_interval_s`, until cancelled;
-        after losing the lock, wait for it again. `once`: one tick (after the lock, unless a
-        dry run) and return."""
+    async def run_once(self) -> list[Outcome]:
+        """One tick (after the lock, unless a dry run): `lorafleet scaler --once`."""
         self._run_task = asyncio.current_task()
-        if once:
-            if not self.dry_run:
-                await self.acquire()
-            await self.tick()
-            return
+        if not self.dry_run:
+            await self.acquire()
+        return await self.tick()
+
+    async def run(self) -> None:
+        """Acquire, then tick on every wake-up and every `tick_interval_s`, until cancelled;
+        after losing the lock, wait for it again."""
+        self._run_task = asyncio.current_task()
         while True:
             if not self.dry_run:
                 await self.acquire()
@@ -356,7 +357,8 @@ class Scaler(AsyncLifecycle):
         )
 
     async def tick(self) -> list[Outcome]:
-        """Look, decide, record, act: once. Raises NotActive if this scaler must not act."""
+        """Look, decide, record, act: once. Raises NotActive if this scaler must not act. When
+        the provider cannot be read, the one outcome is an unapplied HOLD with its error."""
         async with self._tick_lock:
             await self._ensure_active()
             self.ticks += 1
@@ -367,8 +369,7 @@ class Scaler(AsyncLifecycle):
             except ProviderError as exc:
                 log.warning("provider unavailable; nothing decided this tick", error=str(exc))
                 metrics.PROVIDER_FAILURES.inc()
-                await self._record_provider_failure(now, exc)
-                return []
+                return [await self._record_provider_failure(now, exc)]
             outcomes: list[Outcome] = []
             provider_down: str | None = None
             for decision in decide(snapshot, self._policy):
@@ -384,7 +385,7 @@ class Scaler(AsyncLifecycle):
                     self._report(outcome)
             return outcomes
 
-    async def _record_provider_failure(self, now: float, exc: ProviderError) -> None:
+    async def _record_provider_failure(self, now: float, exc: ProviderError) -> Outcome:
         hold = Decision(
             action=Action.HOLD,
             target=PROVIDER,
@@ -413,6 +414,7 @@ class Scaler(AsyncLifecycle):
             )
         if self._report is not None:
             self._report(outcome)
+        return outcome
 
     async def _carry_out(self, d: Decision, now: float, provider_down: str | None) -> Outcome:
         if self.dry_run:
