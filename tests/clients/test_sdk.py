@@ -9,13 +9,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from lorafleet.client import AsyncClient, Client
+from lorafleet.client import AsyncClient, Client, WatchUpdate
 from lorafleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
-from lorafleet.core.model import EventKind, JobState
+from lorafleet.core.model import EventKind, JobState, upload_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from lorafleet.scheduler.auth import create_api_key
+from lorafleet.scheduler.server import Scheduler
 from tests.clients.images import png_bytes
-from tests.scheduler.conftest import Fleet
-from tests.scheduler.harness import connect_worker
+from tests.scheduler.conftest import Fleet, scheduler_config
+from tests.scheduler.harness import WAIT_S, connect_worker
 
 
 def _photos(directory: Path) -> Path:
@@ -115,3 +117,44 @@ async def test_blocking_client(fleet: Fleet) -> None:
             other.get(job.job_id)
 
     await asyncio.to_thread(use)
+
+
+async def test_watch_goes_on_across_a_scheduler_restart(database_url: str, tmp_path: Path) -> None:
+    """The scheduler stops and comes back on the same address mid-watch: the watch reopens after
+    the last event it saw and ends at the final state, no event lost or repeated."""
+    config = scheduler_config(database_url, tmp_path / "data")
+    updates: asyncio.Queue[WatchUpdate | None] = asyncio.Queue()
+    async with Scheduler(config) as first:
+        port = first.port
+        await first.storage.put_bytes(upload_key("alice", "dogs/rex", "1.png"), b"png")
+        api_key = (await create_api_key(first.ledger, "alice")).key
+        client = AsyncClient(f"127.0.0.1:{port}", api_key=api_key)
+        job = await client.submit(
+            instance_prompt="a photo of sks dog", instance_data_prefix="dogs/rex", max_train_steps=5
+        )
+
+        async def watch() -> None:
+            async for update in client.watch(job.job_id):
+                updates.put_nowait(update)
+            updates.put_nowait(None)
+
+        watching = asyncio.create_task(watch())
+        first_update = await asyncio.wait_for(updates.get(), WAIT_S)
+        assert first_update is not None and first_update.job.state is JobState.QUEUED
+    # Down: the watch keeps trying. Back on the same port, over the same ledger.
+    async with Scheduler(
+        scheduler_config(database_url, tmp_path / "data", listen=f"127.0.0.1:{port}")
+    ):
+        try:
+            assert (await client.cancel(job.job_id)).state is JobState.CANCELED
+            seen: list[WatchUpdate] = []
+            while (update := await asyncio.wait_for(updates.get(), WAIT_S)) is not None:
+                seen.append(update)
+            await asyncio.wait_for(watching, WAIT_S)
+        finally:
+            watching.cancel()
+            await client.close()
+    assert seen[-1].job.state is JobState.CANCELED
+    event_ids = [u.event.event_id for u in seen if u.event is not None]
+    assert event_ids == sorted(set(event_ids))
+    assert EventKind.CANCELED in {u.event.kind for u in seen if u.event is not None}

@@ -1,5 +1,5 @@
 """The Python SDK: `Client` (blocking) and `AsyncClient` over the generated JobService stubs."""
 
-from lorafleet.client.api import AsyncClient, Client
+from lorafleet.client.api import AsyncClient, Client, WatchUpdate
 
-__all__ = ["AsyncClient", "Client"]
+__all__ = ["AsyncClient", "Client", "WatchUpdate"]

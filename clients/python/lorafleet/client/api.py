@@ -57,6 +57,10 @@ from lorafleet.core.spec import JobSpec
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 
+# WatchJob reopening after the scheduler was unreachable: the first wait, doubling up to the last.
+_RECONNECT_FIRST_DELAY_S = 0.25
+_RECONNECT_MAX_DELAY_S = 5.0
+
 T = TypeVar("T")
 DEFAULT_TARGET = "localhost:50051"
 
@@ -288,22 +292,53 @@ class AsyncClient(AsyncLifecycle):
             if not after:
                 return out
 
-    async def watch(self, job_id: str, *, after_event_id: int = 0) -> AsyncIterator[WatchUpdate]:
-        """The job now, then every event until it is final."""
-        call = self._stub.WatchJob(
-            pb.WatchJobRequest(job_id=job_id, after_event_id=after_event_id),
-            metadata=self._metadata,
-        )
-        try:
-            async for response in call:
-                yield WatchUpdate(
-                    job=job_from_proto(response.job),
-                    event=event_from_proto(response.event) if response.HasField("event") else None,
-                )
-        except grpc.aio.AioRpcError as err:
-            raise _error(err, self.target) from None
-        finally:
-            call.cancel()
+    async def watch(
+        self, job_id: str, *, after_event_id: int = 0, reconnect_s: float = 300.0
+    ) -> AsyncIterator[WatchUpdate]:
+        """The job now, then every event until it is final.
+
+        A stream that breaks before the job is final (the scheduler restarted, the network
+        dropped) is opened again after the last event seen, so no event is lost or repeated;
+        each reopening starts with the job as it is then. After `reconnect_s` seconds without
+        reaching the scheduler, its `Unavailable` error is raised."""
+        last_event_id = after_event_id
+        delay_s = _RECONNECT_FIRST_DELAY_S
+        unreachable_since: float | None = None
+        loop = asyncio.get_running_loop()
+        while True:
+            call = self._stub.WatchJob(
+                pb.WatchJobRequest(job_id=job_id, after_event_id=last_event_id),
+                metadata=self._metadata,
+            )
+            final = False
+            try:
+                async for response in call:
+                    unreachable_since, delay_s = None, _RECONNECT_FIRST_DELAY_S
+                    update = WatchUpdate(
+                        job=job_from_proto(response.job),
+                        event=(
+                            event_from_proto(response.event) if response.HasField("event") else None
+                        ),
+                    )
+                    if update.event is not None:
+                        last_event_id = update.event.event_id
+                    final = update.job.state.terminal
+                    yield update
+                if final:
+                    return
+                # Ended before the job was final: a scheduler going down ends its streams.
+                unreachable_since = unreachable_since or loop.time()
+            except grpc.aio.AioRpcError as err:
+                unreachable_since = unreachable_since or loop.time()
+                if (
+                    err.code() is not grpc.StatusCode.UNAVAILABLE
+                    or loop.time() - unreachable_since >= reconnect_s
+                ):
+                    raise _error(err, self.target) from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, _RECONNECT_MAX_DELAY_S)
 
     async def upload_dir(self, directory: str | Path, *, prefix: str) -> builtins.list[str]:
         """Uploads the images (and `.txt` captions beside them) of a local folder under `prefix`.
@@ -571,8 +606,12 @@ class Client:
     def events(self, job_id: str) -> builtins.list[JobEvent]:
         return self._run(self._async.events(job_id))
 
-    def watch(self, job_id: str, *, after_event_id: int = 0) -> Iterator[WatchUpdate]:
-        return self._iterate(self._async.watch(job_id, after_event_id=after_event_id))
+    def watch(
+        self, job_id: str, *, after_event_id: int = 0, reconnect_s: float = 300.0
+    ) -> Iterator[WatchUpdate]:
+        return self._iterate(
+            self._async.watch(job_id, after_event_id=after_event_id, reconnect_s=reconnect_s)
+        )
 
     def upload_dir(self, directory: str | Path, *, prefix: str) -> builtins.list[str]:
         return self._run(self._async.upload_dir(directory, prefix=prefix))
