@@ -408,7 +408,7 @@ async def test_a_provider_outage_neither_crashes_nor_misleads_the_scaler(world: 
     for _ in range(4):
         world.advance(15)
         (held,) = await scaler.tick()
-        assert held.decision.action is Action.HOLD and not held.applied and held.error
+        assert held.decision.action is Action.HOLD and not held.applied and held.provider_failed
     assert world.double.actions == before  # nothing was done on a blind view
     log = await world.ledger.list_scaler_decisions(10)
     outage = log[0]
@@ -431,7 +431,7 @@ async def test_a_provider_outage_neither_crashes_nor_misleads_the_scaler(world: 
     world.double.inject("500", count=1_000_000, match="PATCH")
     outcomes = await scaler.tick()
     failed = [o for o in outcomes if o.error]
-    assert failed and all(not o.applied for o in failed)
+    assert failed and all(not o.applied and o.provider_failed for o in failed)
     assert failed[0].error is not None and failed[0].error.startswith("provider unavailable")
     world.double.faults.clear()
     outcomes = await scaler.tick()

@@ -21,6 +21,7 @@ from lorafleet.core.model import (
 )
 from lorafleet.core.spec import JobSpec
 from lorafleet.scheduler.ledger import (
+    QUERIES,
     ApiKeyInfo,
     LeaseRecord,
     Ledger,
@@ -240,6 +241,39 @@ async def test_cancel_and_events_timeline(ledger: Ledger) -> None:
     assert await ledger.cancel_job(job.job_id, "alice") is None  # already final
     kinds = [e.kind.value for e in await ledger.list_events(job.job_id, 0, 100)]
     assert kinds == ["SUBMITTED", "LEASE_GRANTED", "CANCELED"]
+
+
+async def test_a_cancel_that_waited_for_a_claim_ends_the_lease_it_granted(
+    ledger: Ledger, database_url: str
+) -> None:
+    """The claim holds the job's row when the cancel arrives; the cancel waits, then must end
+    the lease that claim created (one statement would not see its row: billed for ever)."""
+    (job,) = await ledger.insert_jobs("alice", [new_job()])
+    claimer = await asyncpg.connect(database_url)
+    watcher = await asyncpg.connect(database_url)
+    try:
+        claim = claimer.transaction()
+        await claim.start()
+        granted = await claimer.fetchrow(QUERIES["claim_job"], "m1", 0, uuid.uuid4(), TTL_S, SECRET)
+        assert granted is not None
+        cancel = asyncio.create_task(ledger.cancel_job(job.job_id, "alice"))
+        # Until the cancel is waiting for the claim's row lock (bounded). Postgres announces
+        # no lock wait, so its activity view is polled.
+        async with asyncio.timeout(30):
+            while not await watcher.fetchval(  # noqa: ASYNC110
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            ):
+                await asyncio.sleep(0.01)
+        await claim.commit()
+        canceled = await asyncio.wait_for(cancel, 30)
+    finally:
+        await claimer.close()
+        await watcher.close()
+    assert canceled is not None and canceled.state is JobState.CANCELED
+    (lease,) = await ledger.job_leases(job.job_id)
+    assert lease.lease_id == str(granted["lease_id"])
+    assert lease.ended_at is not None and lease.end_reason == "canceled"
 
 
 async def test_concurrent_claims_never_grant_twice(ledger: Ledger) -> None:

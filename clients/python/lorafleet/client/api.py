@@ -300,7 +300,7 @@ class AsyncClient(AsyncLifecycle):
         A stream that breaks before the job is final (the scheduler restarted, the network
         dropped) is opened again after the last event seen, so no event is lost or repeated;
         each reopening starts with the job as it is then. After `reconnect_s` seconds without
-        reaching the scheduler, its `Unavailable` error is raised."""
+        a stream that stays up, the last error is raised (`LorafleetError`, `retryable`)."""
         last_event_id = after_event_id
         delay_s = _RECONNECT_FIRST_DELAY_S
         unreachable_since: float | None = None
@@ -310,10 +310,10 @@ class AsyncClient(AsyncLifecycle):
                 pb.WatchJobRequest(job_id=job_id, after_event_id=last_event_id),
                 metadata=self._metadata,
             )
-            final = False
+            opened_at = loop.time()
+            progressed = final = False
             try:
                 async for response in call:
-                    unreachable_since, delay_s = None, _RECONNECT_FIRST_DELAY_S
                     update = WatchUpdate(
                         job=job_from_proto(response.job),
                         event=(
@@ -322,21 +322,35 @@ class AsyncClient(AsyncLifecycle):
                     )
                     if update.event is not None:
                         last_event_id = update.event.event_id
+                        progressed = True
                     final = update.job.state.terminal
                     yield update
                 if final:
                     return
                 # Ended before the job was final: a scheduler going down ends its streams.
-                unreachable_since = unreachable_since or loop.time()
+                error: grpc.aio.AioRpcError | None = None
             except grpc.aio.AioRpcError as err:
-                unreachable_since = unreachable_since or loop.time()
-                if (
-                    err.code() is not grpc.StatusCode.UNAVAILABLE
-                    or loop.time() - unreachable_since >= reconnect_s
-                ):
+                if err.code() is not grpc.StatusCode.UNAVAILABLE:
                     raise _error(err, self.target) from None
+                error = err
             finally:
                 call.cancel()
+            now = loop.time()
+            if progressed or now - opened_at >= _RECONNECT_MAX_DELAY_S:
+                # The stream did work: this is a new outage, not more of the last one. (A
+                # scheduler that answers with the job and then fails at once does not count,
+                # so a flapping one still runs out the clock.)
+                unreachable_since, delay_s = now, _RECONNECT_FIRST_DELAY_S
+            elif unreachable_since is None:
+                unreachable_since = now
+            if now - unreachable_since >= reconnect_s:
+                if error is not None:
+                    raise _error(error, self.target) from None
+                gave_up = LorafleetError(
+                    f"{self.target}: the watch of job {job_id} kept ending before it was final"
+                )
+                gave_up.retryable = True
+                raise gave_up
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, _RECONNECT_MAX_DELAY_S)
 

@@ -178,10 +178,10 @@ async def run_scaler(args: argparse.Namespace) -> int:
                 await endpoint.start()
             async with scaler:
                 if args.once:
-                    # Non-zero when the provider could not be read or a decision failed, so a
-                    # cron job or a deploy check sees it.
+                    # Non-zero when the provider could not be read or failed an action (not
+                    # for a decision a race made moot), so a cron job or a deploy check sees it.
                     outcomes = await scaler.run_once()
-                    return 1 if any(o.error for o in outcomes) else 0
+                    return 1 if any(o.provider_failed for o in outcomes) else 0
                 task = asyncio.create_task(scaler.run())
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGINT, signal.SIGTERM):

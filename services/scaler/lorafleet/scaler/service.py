@@ -90,6 +90,9 @@ class Outcome:
     decision_id: int | None = None
     folded: bool = False
     dry_run: bool = False
+    # The provider failed it (unreachable or refused), as opposed to a race that made it moot
+    # (`error` says which): `lorafleet scaler --once` exits 1 on these.
+    provider_failed: bool = False
 
 
 Report = Callable[[Outcome], None]
@@ -392,7 +395,13 @@ class Scaler(AsyncLifecycle):
             reason=f"the provider failed; nothing decided, trying again next tick: {exc}",
             figures={"retryable": "yes" if exc.retryable else "no"},
         )
-        outcome = Outcome(decision=hold, applied=False, error=str(exc), dry_run=self.dry_run)
+        outcome = Outcome(
+            decision=hold,
+            applied=False,
+            error=str(exc),
+            dry_run=self.dry_run,
+            provider_failed=True,
+        )
         if not self.dry_run:
             decision_id, folded = await self._ledger.record_scaler_decision(
                 at=now,
@@ -411,6 +420,7 @@ class Scaler(AsyncLifecycle):
                 error=str(exc),
                 decision_id=decision_id,
                 folded=folded,
+                provider_failed=True,
             )
         if self._report is not None:
             self._report(outcome)
@@ -431,9 +441,9 @@ class Scaler(AsyncLifecycle):
         )
         if d.action is Action.HOLD:
             return Outcome(decision=d, applied=False, decision_id=decision_id, folded=folded)
-        applied, error = False, None
+        applied, error, provider_failed = False, None, False
         if provider_down is not None and d.action is not Action.DROP_LEASE:
-            error = f"not tried: {provider_down}"
+            error, provider_failed = f"not tried: {provider_down}", True
         else:
             try:
                 await self._ensure_active()
@@ -446,7 +456,7 @@ class Scaler(AsyncLifecycle):
                 applied, error = await self._act(d)
             except ProviderError as exc:
                 prefix = _UNAVAILABLE if exc.retryable else "refused"
-                error = f"{prefix}: {exc}"
+                error, provider_failed = f"{prefix}: {exc}", True
                 log.warning("scaler action failed", action=d.action.value, error=str(exc))
         await self._ledger.finish_scaler_decision(
             decision_id, applied=applied, error=None if error is None else error[:4000]
@@ -459,7 +469,13 @@ class Scaler(AsyncLifecycle):
                 job_id=d.job_id,
                 reason=d.reason,
             )
-        return Outcome(decision=d, applied=applied, error=error, decision_id=decision_id)
+        return Outcome(
+            decision=d,
+            applied=applied,
+            error=error,
+            decision_id=decision_id,
+            provider_failed=provider_failed,
+        )
 
     async def _act(self, d: Decision) -> tuple[bool, str | None]:
         if d.action is Action.DROP_LEASE:

@@ -571,7 +571,11 @@ class Ledger:
 
     async def cancel_job(self, job_id: str, owner: str) -> Job | None:
         """Cancels a queued or running job; None when it was not cancelable (or not found)."""
-        row = await self._fetchrow("cancel_job", uuid.UUID(job_id), owner)
+        async with self._conn() as conn, conn.transaction():
+            # Two statements: the second one's snapshot sees a lease granted while the first
+            # waited for the row (READ COMMITTED takes a snapshot per statement).
+            await conn.execute(QUERIES["lock_job"], uuid.UUID(job_id))
+            row = await conn.fetchrow(QUERIES["cancel_job"], uuid.UUID(job_id), owner)
         return None if row is None else job_from_row(row)
 
     # Leases (the worker stream) ---------------------------------------------------------------

@@ -862,7 +862,11 @@ class WorkerSessions:
         still_live = session.lease is lease
         if still_live:
             session.lease = None
-        if session.state in (SessionState.LEASED, SessionState.CONNECTED):
+            if session.state is SessionState.LEASED:
+                session.state = SessionState.IDLE
+        elif session.state is SessionState.CONNECTED:
+            # Revoked (`_revoke` left it CONNECTED). LEASED with no lease is a Ready in
+            # `handle` still ending the lease in the ledger: that path sets the state itself.
             session.state = SessionState.IDLE
         return still_live
 

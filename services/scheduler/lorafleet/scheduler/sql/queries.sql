@@ -95,7 +95,14 @@ WHERE owner = $1
 ORDER BY created_at DESC, job_id DESC
 LIMIT $6;
 
+-- name: lock_job
+-- Waits for a claim in flight on job $1 to commit (Ledger.cancel_job; see cancel_job).
+SELECT 1 FROM jobs WHERE job_id = $1 FOR UPDATE;
+
 -- name: cancel_job
+-- Run after lock_job in the same transaction: a claim that committed while this statement
+-- waited for the job's row would otherwise be re-read in `target` (the new lease id) but its
+-- new leases row would be invisible to `ended`, and stay open (billed) for ever.
 WITH target AS (
     SELECT job_id, lease_id, machine_id, epoch FROM jobs
     WHERE job_id = $1 AND owner = $2 AND state IN ('QUEUED', 'RUNNING')
