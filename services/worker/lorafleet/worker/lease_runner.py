@@ -44,6 +44,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from lorafleet.core.errors import StorageError
 from lorafleet.core.model import result_formats
 from lorafleet.core.serde import FAILURE_CLASSES, spec_from_proto
+from lorafleet.core.spec import JobSpec
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as jpb
 from lorafleet.worker import metrics
@@ -110,6 +111,22 @@ class TrainerLike(Protocol):
 
 
 TrainerFactory = Callable[[TrainingConfig], TrainerLike]
+
+
+def training_config_for(config: WorkerConfig, spec: JobSpec) -> TrainingConfig:
+    """A run of `spec` on this worker, as its settings say (a training lease or a sample task)."""
+    return TrainingConfig(
+        spec=spec,
+        model_path=config.model_path,
+        vae_path=config.vae_path,
+        cache_dir=config.model_cache_dir,
+        local_files_only=config.local_files_only,
+        device=config.device,
+        sample_steps=config.sample_steps,
+        sample_batch_size=config.sample_batch_size,
+        compile_model=config.compile_model,
+        progress_interval_s=config.progress_interval_s,
+    )
 
 
 class LeaseResult(enum.Enum):
@@ -500,18 +517,7 @@ class LeaseRunner:
 
     async def _prepare_and_train(self) -> TrainingOutcome:
         spec = spec_from_proto(self.grant.spec)
-        training_config = TrainingConfig(
-            spec=spec,
-            model_path=self._config.model_path,
-            vae_path=self._config.vae_path,
-            cache_dir=self._config.model_cache_dir,
-            local_files_only=self._config.local_files_only,
-            device=self._config.device,
-            sample_steps=self._config.sample_steps,
-            sample_batch_size=self._config.sample_batch_size,
-            compile_model=self._config.compile_model,
-            progress_interval_s=self._config.progress_interval_s,
-        )
+        training_config = training_config_for(self._config, spec)
         instance, class_images = await self._download_inputs(spec.with_prior_preservation)
         candidates = list(self._urls.checkpoints)
         while True:

@@ -33,8 +33,9 @@ from lorafleet.worker.lease_runner import (
     ProgressReport,
     ProgressSlot,
     failure_message,
+    training_config_for,
 )
-from lorafleet.worker.training import TrainingConfig, checkpoint_sha256, classify_exception
+from lorafleet.worker.training import checkpoint_sha256, classify_exception
 from lorafleet.worker.training.failures import input_fault
 from lorafleet.worker.training.samples import SamplePipelines, SamplesStopped
 from lorafleet.worker.training_thread import TrainingThread
@@ -165,15 +166,7 @@ class SampleRunner:
         actual = await asyncio.to_thread(checkpoint_sha256, weights)
         if actual != grant.weights_sha256:
             raise input_fault(f"weights: sha256 {actual[:12]}... does not match the ledger's")
-        spec = spec_from_proto(grant.spec)
-        config = TrainingConfig(
-            spec=spec,
-            model_path=self._config.model_path,
-            vae_path=self._config.vae_path,
-            cache_dir=self._config.model_cache_dir,
-            local_files_only=self._config.local_files_only,
-            device=self._config.device,
-        )
+        config = training_config_for(self._config, spec_from_proto(grant.spec))
         settings = sample_settings_from_proto(grant.settings)
         running = asyncio.wrap_future(
             self._training.submit(
