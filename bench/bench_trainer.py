@@ -26,7 +26,8 @@ matching torchvision on PyPI); transformers and diffusers are imported first so 
 never see the shim.
 
 `--gpu` trains the full-size SDXL architecture (random weights, bf16 files) at 1024 px in bf16
-mixed precision on CUDA.
+mixed precision on CUDA, and reports each run's peak GPU memory (`torch.cuda.max_memory_allocated`).
+`--gradient-checkpointing` turns it on in both trainers.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class TimedTqdm(tqdm.auto.tqdm):
         return super().update(n)
 
 tqdm.auto.tqdm = TimedTqdm
+peak = None
 # Settle every library's "is torchvision installed" check before the shim is importable.
 import transformers.utils.import_utils as transformers_imports
 import diffusers, peft, accelerate, torch
@@ -91,9 +93,11 @@ script, out = sys.argv[1], sys.argv[2]
 sys.argv = [script, *sys.argv[3:]]
 try:
     runpy.run_path(script, run_name="__main__")
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated()
 finally:
     with open(out, "w") as f:
-        json.dump(times, f)
+        json.dump({{"times": times, "peak_gpu_bytes": peak}}, f)
 """
 
 # The torchvision surface the reference script uses, on PIL.
@@ -221,6 +225,11 @@ class Result:
     write_opens: int | None = None
     # lorafleet only: the first step's seconds (with --compile, torch.compile's warm-up).
     first_step_s: float | None = None
+    # On CUDA: the run's peak of torch.cuda.max_memory_allocated.
+    peak_gpu_bytes: int | None = None
+    # lorafleet only: how much longer than the median the steps that carry a checkpoint took
+    # (the snapshot's whole cost, its copies on the GPU included; the script's stall is this).
+    checkpoint_step_extra_s: float | None = None
 
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
@@ -299,6 +308,7 @@ def run_lorafleet(
     text_encoder: bool,
     gpu: bool,
     compile_model: bool = False,
+    gradient_checkpointing: bool = False,
 ) -> tuple[Result, int]:
     spec = JobSpec(
         instance_prompt=PROMPT,
@@ -315,6 +325,7 @@ def run_lorafleet(
         adam_weight_decay=1e-4,
         checkpointing_steps=checkpoint_every,
         mixed_precision="bf16" if gpu else "no",
+        gradient_checkpointing=gradient_checkpointing,
         seed=0,
     )
     config = TrainingConfig(
@@ -340,6 +351,9 @@ def run_lorafleet(
     def on_progress(step: int, loss: float, lr: float, seconds: float) -> None:
         stamps.append((time.perf_counter(), time.thread_time()))
 
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(config)
     inputs = [TrainingImage(name, data) for name, data in images]
     _WriteAudit.opens = []
@@ -357,9 +371,13 @@ def run_lorafleet(
         _WriteAudit.active = False
     wall = time.perf_counter() - started
     disk = _write_bytes() - written
-    assert isinstance(outcome, Finished)
+    peak = torch.cuda.max_memory_allocated() if gpu else None
     timings = trainer.timings
-    median_wall, median_cpu, _ = _step_figures(stamps, steps, checkpoint_every)
+    del trainer  # its model and optimizer, before the next run measures its own peak
+    if gpu:
+        torch.cuda.empty_cache()
+    assert isinstance(outcome, Finished)
+    median_wall, median_cpu, extra = _step_figures(stamps, steps, checkpoint_every)
     return (
         Result(
             trainer="lorafleet compiled" if compile_model else "lorafleet",
@@ -375,6 +393,8 @@ def run_lorafleet(
             wall_s=wall,
             write_opens=len(_WriteAudit.opens),
             first_step_s=timings.step_seconds[0],
+            peak_gpu_bytes=peak,
+            checkpoint_step_extra_s=_median_steps(extra),
         ),
         max(blob_sizes, default=0),
     )
@@ -408,6 +428,7 @@ def run_reference(
     text_encoder: bool,
     gpu: bool,
     threads: int,
+    gradient_checkpointing: bool = False,
 ) -> Result:
     python = sys.executable
     out = work / f"reference-out-te{int(text_encoder)}"
@@ -434,6 +455,8 @@ def run_reference(
     ]
     if text_encoder:
         args.append("--train_text_encoder")
+    if gradient_checkpointing:
+        args.append("--gradient_checkpointing")
     harness = _HARNESS.format(shim=_shim_dir(python, work), threads=threads)
     started = time.perf_counter()
     completed = subprocess.run(
@@ -446,7 +469,8 @@ def run_reference(
     if completed.returncode != 0:
         sys.stderr.write(completed.stderr[-4000:])
         raise SystemExit(f"reference script failed ({completed.returncode})")
-    stamps = [(float(w), float(c)) for w, c in json.loads(times_file.read_text())]
+    recorded = json.loads(times_file.read_text())
+    stamps = [(float(w), float(c)) for w, c in recorded["times"]]
     median_wall, median_cpu, stalls = _step_figures(stamps, steps, checkpoint_every)
     lora = out / "pytorch_lora_weights.safetensors"
     return Result(
@@ -460,6 +484,7 @@ def run_reference(
         local_disk_bytes=_tree_bytes(out),
         lora_bytes=lora.stat().st_size if lora.exists() else 0,
         wall_s=wall,
+        peak_gpu_bytes=recorded["peak_gpu_bytes"],
     )
 
 
@@ -477,6 +502,23 @@ def main(argv: list[str] | None = None) -> None:
         help="torch intra-op threads for both trainers (0: torch's default)",
     )
     parser.add_argument("--gpu", action="store_true", help="full-size SDXL at 1024 px, bf16")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="in both trainers")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        help="a model built by an earlier run (kept there; built when missing)",
+    )
+    parser.add_argument(
+        "--text-encoder",
+        choices=["both", "frozen", "trained"],
+        default="both",
+        help="which text-encoder settings to run",
+    )
+    parser.add_argument(
+        "--no-eager",
+        action="store_true",
+        help="with --compile: lorafleet compiled only (no eager lorafleet run)",
+    )
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     parser.add_argument(
         "--compile",
@@ -489,13 +531,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     _WriteAudit.install()
+    text_encoders = {"both": (False, True), "frozen": (False,), "trained": (True,)}[
+        args.text_encoder
+    ]
+    compile_modes = (True,) if args.no_eager else (False, True) if args.compile else (False,)
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         work = Path(tmp)
-        model_dir = build_tiny_model(
-            work / "model",
-            preset="sdxl" if args.gpu else "tiny",
-            weights_dtype="bf16" if args.gpu else "fp32",
-        )
+        model_dir = args.model_dir or work / "model"
+        if not (model_dir / "model_index.json").exists():
+            build_tiny_model(
+                model_dir,
+                preset="sdxl" if args.gpu else "tiny",
+                weights_dtype="bf16" if args.gpu else "fp32",
+            )
         images = make_images(args.images, resolution)
         image_dir = work / "images"
         image_dir.mkdir()
@@ -507,8 +555,8 @@ def main(argv: list[str] | None = None) -> None:
         # Alternate the trainers and repeat: on a shared machine load comes and goes, and a
         # ratio from one back-to-back pair can be off by several times.
         for _ in range(args.repeats):
-            for text_encoder in (False, True):
-                for compile_model in (False, True) if args.compile else (False,):
+            for text_encoder in text_encoders:
+                for compile_model in compile_modes:
                     result, blob_bytes = run_lorafleet(
                         model_dir,
                         images,
@@ -518,6 +566,7 @@ def main(argv: list[str] | None = None) -> None:
                         text_encoder=text_encoder,
                         gpu=args.gpu,
                         compile_model=compile_model,
+                        gradient_checkpointing=args.gradient_checkpointing,
                     )
                     results.append(result)
                 if args.reference is not None:
@@ -533,6 +582,7 @@ def main(argv: list[str] | None = None) -> None:
                             text_encoder=text_encoder,
                             gpu=args.gpu,
                             threads=args.threads,
+                            gradient_checkpointing=args.gradient_checkpointing,
                         )
                     )
     report(results, blob_bytes)
@@ -561,7 +611,7 @@ def report(results: list[Result], blob_bytes: int) -> None:
     print(
         f"{'trainer':<18} {'TE':<3} {'s/step (min)':>16} {'ratio':>6} {'CPU s/step':>10}"
         f" {'ratio':>6} {'stall s':>8} {'disk bytes':>11} {'LoRA bytes':>10} {'repeats':>7}"
-        f" {'1st step s':>10} {'wall s':>7}"
+        f" {'1st step s':>10} {'wall s':>7} {'peak GiB':>8}"
     )
     for (trainer, te), rs in groups.items():
         step = statistics.median(r.median_step_s for r in rs)
@@ -572,10 +622,13 @@ def report(results: list[Result], blob_bytes: int) -> None:
         firsts = [r.first_step_s for r in rs if r.first_step_s is not None]
         first = f"{statistics.median(firsts):>10.2f}" if firsts else f"{'-':>10}"
         wall = statistics.median(r.wall_s for r in rs)
+        peaks = [r.peak_gpu_bytes for r in rs if r.peak_gpu_bytes is not None]
+        peak = f"{max(peaks) / 2**30:>8.2f}" if peaks else f"{'-':>8}"
         print(
             f"{trainer:<18} {'yes' if te else 'no':<3} {step:>8.4f} ({fastest:.4f})"
             f" {step / ours[te]:>6.2f} {cpu:>10.4f} {cpu / cpu_ours[te]:>6.2f}"
-            f" {stall:>8.4f} {disk:>11} {rs[-1].lora_bytes:>10} {len(rs):>7} {first} {wall:>7.1f}"
+            f" {stall:>8.4f} {disk:>11} {rs[-1].lora_bytes:>10} {len(rs):>7} {first}"
+            f" {wall:>7.1f} {peak}"
         )
     print(f"lorafleet checkpoint blob (serialised off-thread, TE run): {blob_bytes} bytes")
     opens = [r.write_opens for r in results if r.write_opens is not None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,28 @@ import torch
 from lorafleet.core.spec import JobSpec
 from lorafleet.worker.tiny_model import build_tiny_model
 from lorafleet.worker.training import Trainer, TrainingImage, TrainingOutcome, TrainingSnapshot
-from tests.worker.support import Recorder, TrainFn, instance_images, make_config
+from tests.worker.support import TEST_DEVICE, Recorder, TrainFn, instance_images, make_config
+
+if TEST_DEVICE == "cuda":
+    # Bit-identical resume on the GPU needs deterministic kernels: cuBLAS's fixed workspace
+    # (read when its handle is created) and torch's deterministic algorithms. Where torch has
+    # none (the UNet's upsampling backward), warn_only runs the nondeterministic one, so the
+    # tests that compare bits show whether that one is deterministic in practice.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` need a GPU and run in a `LORAFLEET_TEST_DEVICE=cuda` run of the
+    suite; elsewhere they are deselected (reported as such), never skipped."""
+    if TEST_DEVICE == "cuda":
+        return
+    selected = [item for item in items if item.get_closest_marker("cuda") is None]
+    if len(selected) != len(items):
+        config.hook.pytest_deselected(
+            items=[item for item in items if item.get_closest_marker("cuda") is not None]
+        )
+        items[:] = selected
 
 
 @pytest.fixture(autouse=True, scope="module")

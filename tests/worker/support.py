@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,11 @@ from lorafleet.worker.training import (
 )
 
 RESOLUTION = 64
+
+# The device the trainer tests train on: the CPU unless a GPU run of the suite asks for CUDA
+# (`LORAFLEET_TEST_DEVICE=cuda`, README "On a GPU"). Never "auto": a developer's GPU box would
+# otherwise test other paths than CI does without saying so.
+TEST_DEVICE = os.environ.get("LORAFLEET_TEST_DEVICE", "cpu")
 
 # diffusers' Euler/DPM schedulers call np.array() on a torch tensor, which under NumPy 2 with this
 # torch build warns that __array__ lacks the `copy` keyword. Only tests that sample images
@@ -106,6 +112,7 @@ def make_config(model_dir: Path, spec: JobSpec, **overrides: Any) -> TrainingCon
         "spec": spec,
         "model_path": str(model_dir),
         "local_files_only": True,
+        "device": TEST_DEVICE,
         "sample_steps": 2,
         "sample_batch_size": 2,
     }

@@ -1,9 +1,10 @@
 """Checkpoints that never touch the disk: a host-memory snapshot, and one bytes blob.
 
 At a checkpoint step the training thread only takes a `TrainingSnapshot`: detached host copies
-of the tensors (LoRA weights, optimizer state, the run's own RNG states) plus a JSON-ready dict
-(step, data order, LR-scheduler and grad-scaler state). It shares nothing with
-the live run, so `serialize_checkpoint` may run on any thread while training continues.
+of the tensors (LoRA weights, optimizer state, the run's own RNG states; from a GPU they arrive
+asynchronously, and the first reader waits for them) plus a JSON-ready dict (step, data order,
+LR-scheduler and grad-scaler state). It shares nothing with the live run, so
+`serialize_checkpoint` may run on any thread while training continues.
 
 The blob (format version 1)::
 
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,24 +58,107 @@ class TrainingSnapshot:
     @property
     def size_bytes(self) -> int:
         """Roughly the serialized size: the tensor payload."""
+        if isinstance(self.tensors, HostTensors):
+            return self.tensors.nbytes
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached CPU copies. Device tensors are copied asynchronously (into pinned memory) and
-    waited for once, so the training thread stalls for one transfer, not one per tensor."""
-    out: dict[str, torch.Tensor] = {}
-    on_device = False
+class HostTensors(Mapping[str, torch.Tensor]):
+    """A snapshot's tensors in host memory, some of them still arriving from the GPU.
+
+    `to_host` queues the device-to-host copies and returns at once; the first read of the
+    mapping (by the thread that serialises the checkpoint, normally) waits for them. The
+    training thread therefore never waits for the GPU at a checkpoint.
+    """
+
+    def __init__(
+        self,
+        ready: dict[str, torch.Tensor],
+        arriving: list[tuple[torch.Tensor, list[tuple[str, torch.Size, int]]]],
+        copied: list[torch.cuda.Event],
+    ) -> None:
+        self._tensors = ready
+        # Per flat pinned host buffer: (key, shape, offset) of each tensor packed into it.
+        self._arriving = arriving
+        self._copied = copied
+        self._lock = threading.Lock()
+        self._keys = [*ready, *(key for _, layout in arriving for key, _, _ in layout)]
+        self._nbytes = sum(t.numel() * t.element_size() for t in ready.values()) + sum(
+            buffer.numel() * buffer.element_size() for buffer, _ in arriving
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor payload, known without waiting for the copies."""
+        return self._nbytes
+
+    def _arrived(self) -> dict[str, torch.Tensor]:
+        with self._lock:
+            if self._arriving:
+                for event in self._copied:
+                    event.synchronize()
+                for buffer, layout in self._arriving:
+                    for key, shape, offset in layout:
+                        self._tensors[key] = buffer[offset : offset + shape.numel()].view(shape)
+                self._arriving = []
+            return self._tensors
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._arrived()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def to_host(tensors: Mapping[str, torch.Tensor]) -> HostTensors:
+    """Host copies that the run never writes again.
+
+    CPU tensors are cloned. Device tensors are packed, per dtype, into one new device buffer
+    (one kernel, ordered after the step that wrote them, on the training stream) and that
+    buffer is copied into pinned host memory on a side stream: no host sync, and the copy
+    overlaps the next step, which cannot write the packed buffer. One transfer per dtype
+    instead of one per tensor: a full-size LoRA's optimizer state is thousands of tensors, and
+    copying them one by one into freshly pinned memory stalled training for 0.2 s
+    (docs/BENCHMARKS.md, "On a GPU").
+    """
+    ready: dict[str, torch.Tensor] = {}
+    on_device: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for key, tensor in tensors.items():
         value = tensor.detach()
         if value.device.type == "cpu":
-            out[key] = value.clone()
+            ready[key] = value.clone()
         else:
-            out[key] = value.to("cpu", non_blocking=True)
-            on_device = True
-    if on_device:
-        torch.cuda.synchronize()
-    return out
+            on_device.setdefault((value.device, value.dtype), []).append((key, value))
+    if not on_device:
+        return HostTensors(ready, [], [])
+    arriving: list[tuple[torch.Tensor, list[tuple[str, torch.Size, int]]]] = []
+    copied: list[torch.cuda.Event] = []
+    for (device, dtype), items in on_device.items():
+        packed = torch.cat([value.reshape(-1) for _, value in items])
+        stream = _copy_streams.get(device)
+        if stream is None:
+            stream = _copy_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            host = torch.empty(packed.numel(), dtype=dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+        # The training stream may reuse `packed`'s memory only after the copy has read it.
+        packed.record_stream(stream)
+        layout, offset = [], 0
+        for key, value in items:
+            layout.append((key, value.shape, offset))
+            offset += value.numel()
+        arriving.append((host, layout))
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        copied.append(event)
+    return HostTensors(ready, arriving, copied)
 
 
 def serialize_checkpoint(snapshot: TrainingSnapshot) -> bytes:

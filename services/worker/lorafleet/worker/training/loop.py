@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -721,7 +722,10 @@ class _Run:
 
     # Checkpoints --------------------------------------------------------------------------------
 
+    @functools.cached_property
     def _live_lora(self) -> dict[str, torch.nn.Parameter]:
+        """The LoRA parameters by checkpoint key. Found once: walking a full-size UNet's
+        modules at every checkpoint took most of the training thread's snapshot time."""
         return {
             f"lora/{module_name}/{name}": param
             for module_name, module in self.trained.items()
@@ -730,7 +734,7 @@ class _Run:
 
     def snapshot(self) -> TrainingSnapshot:
         """Host copies of everything the run needs to continue exactly after `self.step`."""
-        live: dict[str, torch.Tensor] = dict(self._live_lora())
+        live: dict[str, torch.Tensor] = dict(self._live_lora)
         optimizer_state = self.optimizer.state_dict()
         per_param = {
             str(index): split_tensors(values, f"optimizer/{index}", live)
@@ -776,7 +780,7 @@ class _Run:
     def _restore(self, snapshot: TrainingSnapshot) -> None:
         tensors = snapshot.tensors
         state = snapshot.state
-        live = self._live_lora()
+        live = self._live_lora
         stored = {key for key in tensors if key.startswith("lora/")}
         if stored != set(live):
             raise CorruptCheckpoint(

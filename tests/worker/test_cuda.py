@@ -1,0 +1,114 @@
+"""The trainer's CUDA-only paths: fp16 with loss scaling, 8-bit AdamW, frozen weights in the
+mixed-precision dtype, and the device-to-host snapshot, each trained on the tiny model and
+resumed. Run with `LORAFLEET_TEST_DEVICE=cuda` on a GPU (README, "On a GPU"); elsewhere these
+tests are deselected, not skipped (tests/worker/conftest.py), and the rest of the trainer suite
+runs on the GPU too then."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lorafleet.worker.training import (
+    Finished,
+    Stopped,
+    TrainingSnapshot,
+    load_checkpoint,
+    serialize_checkpoint,
+)
+from lorafleet.worker.training.config import resolve_runtime
+from lorafleet.worker.training.model import load_components
+from tests.worker.support import (
+    Recorder,
+    TrainFn,
+    lora_tensors,
+    make_config,
+    same_tensors,
+    tiny_spec,
+)
+
+pytestmark = pytest.mark.cuda
+
+
+def _resume_from(train: TrainFn, spec: Any, snapshot: TrainingSnapshot) -> Finished:
+    resumed, _ = train(spec, resume=load_checkpoint(serialize_checkpoint(snapshot)))
+    assert isinstance(resumed, Finished)
+    return resumed
+
+
+def test_fp16_scales_the_loss_trains_fp32_lora_and_resumes_exactly(train: TrainFn) -> None:
+    spec = tiny_spec(max_train_steps=4, checkpointing_steps=2, mixed_precision="fp16")
+    full, recorder = train(spec)
+    tensors = lora_tensors(full)
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in tensors.values())
+    fp32, _ = train(tiny_spec(max_train_steps=4))
+    assert not same_tensors(lora_tensors(fp32), tensors)
+    # The grad scaler's state travels with the checkpoint (its scale grows or backs off).
+    scaler_state = recorder.snapshots[0].state["grad_scaler"]
+    assert scaler_state is not None and scaler_state["scale"] > 1
+    assert same_tensors(tensors, lora_tensors(_resume_from(train, spec, recorder.snapshots[0])))
+
+
+def test_8bit_adam_quantizes_its_state_and_resumes_exactly(
+    train: TrainFn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bitsandbytes
+
+    # bitsandbytes keeps 32-bit state for tensors under 4096 elements, which is every one of
+    # the tiny model's LoRA tensors: quantize them all, so that the 8-bit state (codes, absmax,
+    # quantization map) is what the checkpoint must carry.
+    monkeypatch.setattr(
+        bitsandbytes.optim,
+        "AdamW8bit",
+        functools.partial(bitsandbytes.optim.AdamW8bit, min_8bit_size=1),
+    )
+    spec = tiny_spec(max_train_steps=4, checkpointing_steps=2, optimizer="adamw_8bit")
+    full, recorder = train(spec)
+    snapshot = recorder.snapshots[0]
+    assert any(t.dtype == torch.uint8 for t in snapshot.tensors.values())
+    assert all(t.device.type == "cpu" for t in snapshot.tensors.values())
+    adamw, _ = train(tiny_spec(max_train_steps=4))
+    assert not same_tensors(lora_tensors(adamw), lora_tensors(full))
+    assert same_tensors(lora_tensors(full), lora_tensors(_resume_from(train, spec, snapshot)))
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)]
+)
+def test_frozen_weights_take_the_mixed_precision_dtype(
+    train: TrainFn, tiny_model_dir: Path, precision: str, dtype: torch.dtype
+) -> None:
+    """frozen_dtype auto keeps the frozen UNet and text encoders in bf16/fp16 on CUDA (half
+    the memory of fp32); the LoRA is still trained and saved in fp32."""
+    spec = tiny_spec(max_train_steps=2, mixed_precision=precision, train_text_encoder=True)
+    config = make_config(tiny_model_dir, spec)
+    half = load_components(config, resolve_runtime(config))
+    assert half.unet.dtype == dtype
+    assert all(encoder.dtype == dtype for encoder in half.text_encoders)
+    config = make_config(tiny_model_dir, spec, frozen_dtype="fp32")
+    assert load_components(config, resolve_runtime(config)).unet.dtype == torch.float32
+    outcome, _ = train(spec)
+    assert all(t.dtype == torch.float32 for t in lora_tensors(outcome).values())
+
+
+def test_gradient_checkpointing_recomputes_to_the_same_lora(train: TrainFn) -> None:
+    spec: dict[str, Any] = {"max_train_steps": 2, "train_text_encoder": True, "lora_dropout": 0.3}
+    plain, _ = train(tiny_spec(**spec))
+    checkpointed, _ = train(tiny_spec(gradient_checkpointing=True, **spec))
+    a, b = lora_tensors(plain), lora_tensors(checkpointed)
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+
+
+def test_a_drain_snapshot_is_a_host_copy_and_resumes_exactly(train: TrainFn) -> None:
+    spec = tiny_spec(max_train_steps=4, mixed_precision="bf16", train_text_encoder=True)
+    full, _ = train(spec)
+    stopped, _ = train(spec, recorder=Recorder(stop_at=2))
+    assert isinstance(stopped, Stopped) and stopped.snapshot is not None
+    assert all(t.device.type == "cpu" for t in stopped.snapshot.tensors.values())
+    resumed = _resume_from(train, spec, stopped.snapshot)
+    assert same_tensors(lora_tensors(full), lora_tensors(resumed))
