@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ import torch
 from safetensors import SafetensorError
 
 from lorafleet.worker.training.failures import CorruptCheckpoint
-from lorafleet.worker.training.serialization import safetensors_bytes, safetensors_metadata
+from lorafleet.worker.training.serialization import safetensors_metadata
 
 MAGIC = b"LFCKPT\x00\x01"
 _DIGEST_BYTES = 32
@@ -63,48 +64,54 @@ class TrainingSnapshot:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-class HostTensors(Mapping[str, torch.Tensor]):
-    """A snapshot's tensors in host memory, some of them still arriving from the GPU.
+# Per flat buffer: (key, shape, element offset) of each tensor packed into it, in order.
+Layout = list[tuple[str, torch.Size, int]]
 
-    `to_host` queues the device-to-host copies and returns at once; the first read of the
-    mapping (by the thread that serialises the checkpoint, normally) waits for them. The
-    training thread therefore never waits for the GPU at a checkpoint.
+
+class HostTensors(Mapping[str, torch.Tensor]):
+    """A snapshot's tensors, packed per dtype into flat host buffers, possibly still arriving
+    from the GPU.
+
+    `to_host` queues the device-to-host copies and returns at once; the first read (by the
+    thread that serialises the checkpoint, normally) waits for them, so the training thread
+    never waits for the GPU at a checkpoint. `serialize_checkpoint` writes the flat buffers as
+    they are: a few large copies instead of Python work per tensor, which held the GIL long
+    enough to slow the training thread's next step by half a second on a full-size model.
     """
 
-    def __init__(
-        self,
-        ready: dict[str, torch.Tensor],
-        arriving: list[tuple[torch.Tensor, list[tuple[str, torch.Size, int]]]],
-        copied: list[torch.cuda.Event],
-    ) -> None:
-        self._tensors = ready
-        # Per flat pinned host buffer: (key, shape, offset) of each tensor packed into it.
-        self._arriving = arriving
-        self._copied = copied
+    def __init__(self, packs: list[tuple[torch.Tensor, Layout]], copied: list[Any]) -> None:
+        self._packs = packs
+        self._copied = copied  # CUDA events recorded after the copies
         self._lock = threading.Lock()
-        self._keys = [*ready, *(key for _, layout in arriving for key, _, _ in layout)]
-        self._nbytes = sum(t.numel() * t.element_size() for t in ready.values()) + sum(
-            buffer.numel() * buffer.element_size() for buffer, _ in arriving
-        )
+        self._tensors: dict[str, torch.Tensor] | None = None
+        self._keys = [key for _, layout in packs for key, _, _ in layout]
 
     @property
     def nbytes(self) -> int:
         """The tensor payload, known without waiting for the copies."""
-        return self._nbytes
+        return sum(buffer.numel() * buffer.element_size() for buffer, _ in self._packs)
 
-    def _arrived(self) -> dict[str, torch.Tensor]:
+    def packs(self) -> list[tuple[torch.Tensor, Layout]]:
+        """The flat host buffers and their layouts, once the copies have arrived."""
         with self._lock:
-            if self._arriving:
-                for event in self._copied:
-                    event.synchronize()
-                for buffer, layout in self._arriving:
-                    for key, shape, offset in layout:
-                        self._tensors[key] = buffer[offset : offset + shape.numel()].view(shape)
-                self._arriving = []
-            return self._tensors
+            for event in self._copied:
+                event.synchronize()
+            self._copied = []
+        return self._packs
+
+    def _unpacked(self) -> dict[str, torch.Tensor]:
+        # Tensors of their own, not views into the packs: some consumers ignore a view's
+        # storage offset (torch's CPU generator's set_state read the wrong bytes).
+        if self._tensors is None:
+            self._tensors = {
+                key: buffer[offset : offset + shape.numel()].view(shape).clone()
+                for buffer, layout in self.packs()
+                for key, shape, offset in layout
+            }
+        return self._tensors
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        return self._arrived()[key]
+        return self._unpacked()[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
@@ -113,62 +120,107 @@ class HostTensors(Mapping[str, torch.Tensor]):
         return len(self._keys)
 
 
-_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+_copy_streams: dict[torch.device, Any] = {}
 
 
 def to_host(tensors: Mapping[str, torch.Tensor]) -> HostTensors:
-    """Host copies that the run never writes again.
+    """Host copies that the run never writes again, packed per device and dtype.
 
-    CPU tensors are cloned. Device tensors are packed, per dtype, into one new device buffer
-    (one kernel, ordered after the step that wrote them, on the training stream) and that
-    buffer is copied into pinned host memory on a side stream: no host sync, and the copy
-    overlaps the next step, which cannot write the packed buffer. One transfer per dtype
-    instead of one per tensor: a full-size LoRA's optimizer state is thousands of tensors, and
-    copying them one by one into freshly pinned memory stalled training for 0.2 s
-    (docs/BENCHMARKS.md, "On a GPU").
+    Each group is packed into one new buffer (`torch.cat`: one kernel, ordered after the step
+    that wrote the tensors). On the CPU that buffer is the copy. From a GPU it is copied into
+    pinned host memory on a side stream: no host sync, and the copy overlaps the next step,
+    which cannot write the packed buffer. One transfer per dtype instead of one per tensor: a
+    full-size LoRA's optimizer state is thousands of tensors, and copying them one by one into
+    newly pinned memory stalled training for 0.2 s (docs/BENCHMARKS.md, "On a GPU").
     """
-    ready: dict[str, torch.Tensor] = {}
-    on_device: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for key, tensor in tensors.items():
-        value = tensor.detach()
-        if value.device.type == "cpu":
-            ready[key] = value.clone()
-        else:
-            on_device.setdefault((value.device, value.dtype), []).append((key, value))
-    if not on_device:
-        return HostTensors(ready, [], [])
-    arriving: list[tuple[torch.Tensor, list[tuple[str, torch.Size, int]]]] = []
-    copied: list[torch.cuda.Event] = []
-    for (device, dtype), items in on_device.items():
+        groups.setdefault((tensor.device, tensor.dtype), []).append((key, tensor.detach()))
+    packs: list[tuple[torch.Tensor, Layout]] = []
+    copied: list[Any] = []
+    for (device, dtype), items in groups.items():
         packed = torch.cat([value.reshape(-1) for _, value in items])
-        stream = _copy_streams.get(device)
-        if stream is None:
-            stream = _copy_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            host = torch.empty(packed.numel(), dtype=dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-        # The training stream may reuse `packed`'s memory only after the copy has read it.
-        packed.record_stream(stream)
-        layout, offset = [], 0
+        if device.type != "cpu":
+            stream = _copy_streams.get(device)
+            if stream is None:
+                stream = _copy_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                host = torch.empty(packed.numel(), dtype=dtype, pin_memory=True)
+                host.copy_(packed, non_blocking=True)
+            # The training stream may reuse `packed`'s memory only after the copy has read it.
+            packed.record_stream(stream)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+            copied.append(event)
+            packed = host
+        layout: Layout = []
+        offset = 0
         for key, value in items:
             layout.append((key, value.shape, offset))
             offset += value.numel()
-        arriving.append((host, layout))
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(stream)
-        copied.append(event)
-    return HostTensors(ready, arriving, copied)
+        packs.append((packed, layout))
+    return HostTensors(packs, copied)
+
+
+# safetensors' names for the dtypes a checkpoint holds.
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_LENGTH = struct.Struct("<Q")
 
 
 def serialize_checkpoint(snapshot: TrainingSnapshot) -> bytes:
-    """The checkpoint blob. Thread-safe: reads only the snapshot."""
+    """The checkpoint blob. Thread-safe: reads only the snapshot.
+
+    The safetensors payload is written here from the packed buffers (`to_host`), tensors in
+    one canonical order (widest dtype first, so each stays aligned, then by key), whatever the
+    order they came in: equal snapshots give equal bytes, a loaded checkpoint serialises to
+    its own bytes again, and `safetensors.torch.load` reads the result like any safetensors
+    file. The data section is slices of a few large buffers joined in one copy, and hashing
+    releases the GIL: a training thread beside it keeps running.
+    """
     state = dict(snapshot.state)
     state["step"] = snapshot.step
-    metadata = {_STATE_KEY: json.dumps(state, separators=(",", ":"), sort_keys=True)}
-    tensors = {key: value.contiguous() for key, value in snapshot.tensors.items()}
-    payload = safetensors_bytes(tensors, metadata)
-    return MAGIC + hashlib.sha256(payload).digest() + payload
+    tensors = snapshot.tensors
+    host = tensors if isinstance(tensors, HostTensors) else to_host(tensors)
+    entries = []
+    for buffer, layout in host.packs():
+        width = buffer.element_size()
+        raw = memoryview(buffer.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
+        for key, shape, offset in layout:
+            entries.append(
+                (-width, key, buffer.dtype, shape, raw[offset * width :][: shape.numel() * width])
+            )
+    entries.sort(key=lambda entry: (entry[0], entry[1]))
+    header: dict[str, Any] = {
+        "__metadata__": {_STATE_KEY: json.dumps(state, separators=(",", ":"), sort_keys=True)}
+    }
+    start = 0
+    for _, key, dtype, shape, data in entries:
+        header[key] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [start, start + len(data)],
+        }
+        start += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    parts: list[bytes | memoryview] = [_LENGTH.pack(len(text)), text]
+    parts.extend(entry[4] for entry in entries)
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)  # releases the GIL for large parts
+    return b"".join([MAGIC, digest.digest(), *parts])
 
 
 def checkpoint_sha256(data: bytes) -> str:
