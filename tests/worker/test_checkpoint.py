@@ -25,7 +25,7 @@ from lorafleet.worker.training import (
     serialize_checkpoint,
 )
 from lorafleet.worker.training.checkpoint import MAGIC, join_tensors, split_tensors
-from lorafleet.worker.training.serialization import safetensors_metadata
+from lorafleet.worker.training.serialization import safetensors_bytes, safetensors_metadata
 from tests.worker.support import Recorder, TrainFn, instance_images, make_config, tiny_spec
 
 
@@ -167,3 +167,60 @@ def test_nested_optimizer_state_round_trips() -> None:
     assert torch.equal(back["wrapped"]["qmap1"], qmap)
     assert torch.equal(back["history"][0], torch.zeros(1))
     assert back["history"][1] == 0.5
+
+
+# Every dtype and shape a checkpoint writer must place correctly (2026-11-24: the writer packs
+# tensors per dtype and writes the safetensors payload itself).
+_ODD_TENSORS: dict[str, torch.Tensor] = {
+    "f32": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+    "f64": torch.tensor([0.25, -1.0], dtype=torch.float64),
+    "bf16": torch.tensor([1.5, -2.0, 3.0], dtype=torch.bfloat16),
+    "f16": torch.tensor([0.5], dtype=torch.float16),
+    "i64": torch.tensor([1, -2, 3]),
+    "u8": torch.tensor([1, 2, 255], dtype=torch.uint8),
+    "bool": torch.tensor([True, False, True]),
+    "scalar": torch.tensor(3.0),
+    "empty": torch.zeros(0, 4),
+    "transposed": torch.arange(6.0).reshape(2, 3).t(),
+}
+
+
+def test_the_payload_is_safetensors_in_one_order_whatever_the_input_order() -> None:
+    forward = TrainingSnapshot(step=1, tensors=dict(_ODD_TENSORS), state={"a": 1})
+    backward = TrainingSnapshot(
+        step=1, tensors=dict(reversed(list(_ODD_TENSORS.items()))), state={"a": 1}
+    )
+    blob = serialize_checkpoint(forward)
+    assert serialize_checkpoint(backward) == blob
+    payload = blob[len(MAGIC) + 32 :]
+    loaded = safetensors.torch.load(payload)
+    assert loaded.keys() == _ODD_TENSORS.keys()
+    for key, tensor in _ODD_TENSORS.items():
+        assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
+    # Each tensor starts aligned to its own element size (readers may map it in place).
+    size = int.from_bytes(payload[:8], "little")
+    header = json.loads(payload[8 : 8 + size])
+    for key, tensor in _ODD_TENSORS.items():
+        assert header[key]["data_offsets"][0] % tensor.element_size() == 0, key
+    assert serialize_checkpoint(load_checkpoint(blob)) == blob
+
+
+def test_a_checkpoint_of_the_previous_writer_still_loads() -> None:
+    """Blobs written before the packed writer (safetensors.torch.save with its header sorted)
+    are still in storage for jobs that were interrupted: they resume."""
+    state = {"step": 4, "loss": 0.5}
+    payload = safetensors_bytes(
+        {key: value.contiguous() for key, value in _ODD_TENSORS.items()},
+        {"lorafleet.state": json.dumps(state, separators=(",", ":"), sort_keys=True)},
+    )
+    loaded = load_checkpoint(MAGIC + hashlib.sha256(payload).digest() + payload)
+    assert loaded.step == 4 and loaded.state["loss"] == 0.5
+    assert all(torch.equal(loaded.tensors[k], v) for k, v in _ODD_TENSORS.items())
+
+
+def test_a_dtype_safetensors_cannot_hold_is_refused_by_name() -> None:
+    snapshot = TrainingSnapshot(
+        step=1, tensors={"c": torch.zeros(2, dtype=torch.complex128)}, state={}
+    )
+    with pytest.raises(TypeError, match=r"cannot hold torch\.complex128"):
+        serialize_checkpoint(snapshot)

@@ -74,7 +74,8 @@ class HostTensors(Mapping[str, torch.Tensor]):
 
     `to_host` queues the device-to-host copies and returns at once; the first read (by the
     thread that serialises the checkpoint, normally) waits for them, so the training thread
-    never waits for the GPU at a checkpoint. `serialize_checkpoint` writes the flat buffers as
+    never waits for the GPU at a checkpoint (with fp16, reading the grad scaler's state is a
+    sync, as every fp16 step already has one). `serialize_checkpoint` writes the flat buffers as
     they are: a few large copies instead of Python work per tensor, which held the GIL long
     enough to slow the training thread's next step by half a second on a full-size model.
     """
@@ -85,6 +86,7 @@ class HostTensors(Mapping[str, torch.Tensor]):
         self._lock = threading.Lock()
         self._tensors: dict[str, torch.Tensor] | None = None
         self._keys = [key for _, layout in packs for key, _, _ in layout]
+        self._key_set = frozenset(self._keys)
 
     @property
     def nbytes(self) -> int:
@@ -102,13 +104,18 @@ class HostTensors(Mapping[str, torch.Tensor]):
     def _unpacked(self) -> dict[str, torch.Tensor]:
         # Tensors of their own, not views into the packs: some consumers ignore a view's
         # storage offset (torch's CPU generator's set_state read the wrong bytes).
-        if self._tensors is None:
-            self._tensors = {
-                key: buffer[offset : offset + shape.numel()].view(shape).clone()
-                for buffer, layout in self.packs()
-                for key, shape, offset in layout
-            }
-        return self._tensors
+        packs = self.packs()
+        with self._lock:
+            if self._tensors is None:
+                self._tensors = {
+                    key: buffer[offset : offset + shape.numel()].view(shape).clone()
+                    for buffer, layout in packs
+                    for key, shape, offset in layout
+                }
+            return self._tensors
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._key_set
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self._unpacked()[key]
@@ -150,7 +157,8 @@ def to_host(tensors: Mapping[str, torch.Tensor]) -> HostTensors:
                 host.copy_(packed, non_blocking=True)
             # The training stream may reuse `packed`'s memory only after the copy has read it.
             packed.record_stream(stream)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            # Blocking: the serialising thread sleeps while it waits instead of spinning.
+            event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             event.record(stream)
             copied.append(event)
             packed = host
@@ -175,6 +183,12 @@ _SAFETENSORS_DTYPES = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
 }
 _LENGTH = struct.Struct("<Q")
 
@@ -196,6 +210,8 @@ def serialize_checkpoint(snapshot: TrainingSnapshot) -> bytes:
     entries = []
     for buffer, layout in host.packs():
         width = buffer.element_size()
+        if buffer.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"a checkpoint cannot hold {buffer.dtype} tensors")
         raw = memoryview(buffer.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
         for key, shape, offset in layout:
             entries.append(
