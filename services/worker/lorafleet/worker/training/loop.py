@@ -335,7 +335,9 @@ class _Run:
                 dropout=spec.lora_dropout,
             )
         self.enable_training_mode()
-        self.forward_loss: Callable[..., torch.Tensor] = self._forward_loss
+        self.forward_loss: Callable[..., torch.Tensor] = (
+            self._loss_from_token_ids if spec.train_text_encoder else self._loss_from_embeddings
+        )
         if self.config.compile_model:
             # One graph from the prompt's token ids (trained encoders) or embeddings to the loss,
             # so one backward graph; compiled on the first step (the warm-up:
@@ -349,7 +351,7 @@ class _Run:
             # one, every step. Only how the guards are checked; set while compiling (the guards
             # are built then), not process-wide.
             self.forward_loss = torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True)(
-                torch.compile(self._forward_loss)
+                torch.compile(self.forward_loss)
             )
         with _tracer.start_as_current_span("training.precompute") as span:
             self.precompute_conditioning()
@@ -637,6 +639,33 @@ class _Run:
         torch.autograd.backward(scaled)
         return loss.detach()
 
+    # Two entry points, one per kind of conditioning input, so that each is its own code object
+    # for torch.compile: a frozen-encoder run and a trained-encoder run in one process never
+    # share (and re-trace as dynamic shapes) one compiled function.
+    def _loss_from_embeddings(
+        self,
+        latents: torch.Tensor,
+        noise: torch.Tensor,
+        timesteps: torch.Tensor,
+        time_ids: torch.Tensor,
+        embeddings: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._forward_loss(latents, noise, timesteps, time_ids, embeddings, rows)
+
+    def _loss_from_token_ids(
+        self,
+        latents: torch.Tensor,
+        noise: torch.Tensor,
+        timesteps: torch.Tensor,
+        time_ids: torch.Tensor,
+        token_ids: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        with self.autocast():
+            embeddings = encode_prompts(self.components.text_encoders, token_ids)
+        return self._forward_loss(latents, noise, timesteps, time_ids, embeddings, rows)
+
     def _forward_loss(
         self,
         latents: torch.Tensor,
@@ -646,12 +675,10 @@ class _Run:
         conditioning: tuple[torch.Tensor, torch.Tensor],
         rows: torch.Tensor,
     ) -> torch.Tensor:
-        """The micro-batch's loss from its draws and `conditioning_inputs` (what
-        `compile_model` compiles as one graph)."""
+        """The micro-batch's loss from its draws and prompt embeddings (with `compile_model`,
+        compiled as one graph with the prompt encoding before it)."""
         noisy = self.components.noise_scheduler.add_noise(latents, noise, timesteps)
         with self.autocast():
-            if self.prompt_embeds is None:
-                conditioning = encode_prompts(self.components.text_encoders, conditioning)
             prompt_embeds, pooled = (c.index_select(0, rows) for c in conditioning)
             prediction = self.components.unet(
                 noisy,
