@@ -54,6 +54,7 @@ from lorafleet.worker.training.lora import (
 )
 from lorafleet.worker.training.model import (
     encode_prompts,
+    install_output_hooks,
     load_components,
     tokenize,
 )
@@ -335,16 +336,24 @@ class _Run:
                 dropout=spec.lora_dropout,
             )
         self.enable_training_mode()
-        self.unet_forward = self.components.unet
-        self.text_encoder_forwards: tuple[Any, ...] = self.components.text_encoders
+        self.forward_loss: Callable[..., torch.Tensor] = (
+            self._loss_from_token_ids if spec.train_text_encoder else self._loss_from_embeddings
+        )
         if self.config.compile_model:
-            # Compiled on the first step (the warm-up: `timings.step_seconds[0]`). The modules
-            # stay the same objects: LoRA weights, checkpoints and the result are unchanged.
-            self.unet_forward = torch.compile(self.components.unet)
-            if spec.train_text_encoder:  # frozen encoders run once, before training
-                self.text_encoder_forwards = tuple(
-                    torch.compile(encoder) for encoder in self.components.text_encoders
-                )
+            # One graph from the prompt's token ids (trained encoders) or embeddings to the loss,
+            # so one backward graph; compiled on the first step (the warm-up:
+            # `timings.step_seconds[0]`). Random draws stay outside it, from the run's
+            # generators. The modules stay the same objects: LoRA weights, checkpoints and the
+            # result are unchanged.
+            if spec.train_text_encoder:
+                install_output_hooks(self.components.text_encoders)
+            # Recursive dict tags: dynamo checks its guards on the models' (thousands of)
+            # module attributes by one dict-version tag per unchanged module instead of one by
+            # one, every step. Only how the guards are checked; set while compiling (the guards
+            # are built then), not process-wide.
+            self.forward_loss = torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True)(
+                torch.compile(self.forward_loss)
+            )
         with _tracer.start_as_current_span("training.precompute") as span:
             self.precompute_conditioning()
             self.precompute_latents()
@@ -612,7 +621,6 @@ class _Run:
     def micro_step(self, samples: list[Sample]) -> torch.Tensor:
         """Forward and backward of one micro-batch; gradients add up until apply_gradients.
         Returns the micro-batch's loss, detached."""
-        unet = self.unet_forward
         device = self.runtime.device
         latents = self.latents(samples)
         noise, timesteps = draw_noise(
@@ -621,24 +629,66 @@ class _Run:
             noise_offset=self.spec.noise_offset,
             num_train_timesteps=self.num_train_timesteps,
         )
-        noisy = self.components.noise_scheduler.add_noise(latents, noise, timesteps)
         time_ids = self.data.time_ids(samples).to(device, non_blocking=True)
-        with self.autocast():
-            prompt_embeds, pooled = self.conditioning(samples)
-            prediction = unet(
-                noisy,
-                timesteps,
-                prompt_embeds,
-                added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
-                return_dict=False,
-            )[0]
-        loss = self.loss(prediction, latents, noise, timesteps)
+        loss = self.forward_loss(
+            latents, noise, timesteps, time_ids, *self.conditioning_inputs(samples)
+        )
         # The accumulated gradient is that of the mean loss over the micro-batches.
         scaled = loss / self.spec.gradient_accumulation_steps
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
         torch.autograd.backward(scaled)
         return loss.detach()
+
+    # Two entry points, one per kind of conditioning input, so that each is its own code object
+    # for torch.compile: a frozen-encoder run and a trained-encoder run in one process never
+    # share (and re-trace as dynamic shapes) one compiled function.
+    def _loss_from_embeddings(
+        self,
+        latents: torch.Tensor,
+        noise: torch.Tensor,
+        timesteps: torch.Tensor,
+        time_ids: torch.Tensor,
+        embeddings: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._forward_loss(latents, noise, timesteps, time_ids, embeddings, rows)
+
+    def _loss_from_token_ids(
+        self,
+        latents: torch.Tensor,
+        noise: torch.Tensor,
+        timesteps: torch.Tensor,
+        time_ids: torch.Tensor,
+        token_ids: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        with self.autocast():
+            embeddings = encode_prompts(self.components.text_encoders, token_ids)
+        return self._forward_loss(latents, noise, timesteps, time_ids, embeddings, rows)
+
+    def _forward_loss(
+        self,
+        latents: torch.Tensor,
+        noise: torch.Tensor,
+        timesteps: torch.Tensor,
+        time_ids: torch.Tensor,
+        conditioning: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The micro-batch's loss from its draws and prompt embeddings (with `compile_model`,
+        compiled as one graph with the prompt encoding before it)."""
+        noisy = self.components.noise_scheduler.add_noise(latents, noise, timesteps)
+        with self.autocast():
+            prompt_embeds, pooled = (c.index_select(0, rows) for c in conditioning)
+            prediction = self.components.unet(
+                noisy,
+                timesteps,
+                prompt_embeds,
+                added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
+                return_dict=False,
+            )[0]
+        return self.loss(prediction, latents, noise, timesteps)
 
     def apply_gradients(self) -> None:
         """Clip, step the optimizer and the LR schedule, clear the gradients."""
@@ -679,22 +729,21 @@ class _Run:
             moments = self.encode_moments(samples)
         return sample_latents(moments, self.noise_generator, self.components.vae.config)
 
-    def conditioning(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompt embeddings, pooled embeddings) per sample."""
+    def conditioning_inputs(
+        self, samples: list[Sample]
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """What `_forward_loss` conditions on, and the row of it for each sample: the cached
+        (prompt embeddings, pooled embeddings) with frozen encoders; with trained ones the token
+        ids of each distinct prompt of the batch, encoded once (picked on the host: no sync)."""
         device = self.runtime.device
         rows = [self.data.prompt_of[s.image] for s in samples]
         if self.prompt_embeds is not None:
-            index = torch.tensor(rows, device=device)
-            embeds, pooled = self.prompt_embeds
-            return embeds.index_select(0, index), pooled.index_select(0, index)
+            return self.prompt_embeds, torch.tensor(rows, device=device)
         assert self.token_ids is not None
-        # Encode each distinct prompt of the batch once (computed on the host: no sync).
         distinct = sorted(set(rows))
         picked = torch.tensor(distinct, device=device)
         ids = (self.token_ids[0][picked], self.token_ids[1][picked])
-        embeds, pooled = encode_prompts(self.text_encoder_forwards, ids)
-        expand = torch.tensor([distinct.index(r) for r in rows], device=device)
-        return embeds.index_select(0, expand), pooled.index_select(0, expand)
+        return ids, torch.tensor([distinct.index(r) for r in rows], device=device)
 
     def loss(
         self,

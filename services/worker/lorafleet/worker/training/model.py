@@ -226,6 +226,20 @@ def encode_prompts(
     return torch.cat(hidden, dim=-1), pooled
 
 
+def install_output_hooks(text_encoders: Sequence[Any]) -> None:
+    """Installs now what transformers (5.x) installs on an encoder's first forward asking for
+    hidden states: its output-capturing hooks. Installed inside a `torch.compile` trace, they
+    break the graph (a lock, a class-level counter) and the encoders' step runs as several
+    graphs; installed before, the prompt encoding traces as one. No-op on transformers without
+    them."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:
+        return
+    for encoder in text_encoders:
+        maybe_install_capturing_hooks(encoder)
+
+
 def sampling_pipeline(components: Components) -> Any:
     """A StableDiffusionXLPipeline over the loaded modules (no copy, LoRA included when added)
     with the base model's own inference scheduler."""
