@@ -339,21 +339,26 @@ class _Run:
         self.forward_loss: Callable[..., torch.Tensor] = (
             self._loss_from_token_ids if spec.train_text_encoder else self._loss_from_embeddings
         )
+        self.unet_forward = self.components.unet
         if self.config.compile_model:
-            # One graph from the prompt's token ids (trained encoders) or embeddings to the loss,
-            # so one backward graph; compiled on the first step (the warm-up:
-            # `timings.step_seconds[0]`). Random draws stay outside it, from the run's
-            # generators. The modules stay the same objects: LoRA weights, checkpoints and the
-            # result are unchanged.
+            # Compiled on the first step (the warm-up: `timings.step_seconds[0]`). Random draws
+            # stay outside, from the run's generators; the modules stay the same objects: LoRA
+            # weights, checkpoints and the result are unchanged. What is compiled is what
+            # measured fastest (docs/BENCHMARKS.md, "Trainer"):
             if spec.train_text_encoder:
+                # one graph from the prompt's token ids to the loss, so one backward graph
+                # through the encoders and the UNet (-10% a step against compiling each model);
                 install_output_hooks(self.components.text_encoders)
-            # Recursive dict tags: dynamo checks its guards on the models' (thousands of)
-            # module attributes by one dict-version tag per unchanged module instead of one by
-            # one, every step. Only how the guards are checked; set while compiling (the guards
-            # are built then), not process-wide.
-            self.forward_loss = torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True)(
-                torch.compile(self.forward_loss)
-            )
+                # dynamo checks its guards on the models' thousands of module attributes by one
+                # dict-version tag per unchanged module, not one by one, every step (set while
+                # compiling, when the guards are built; not process-wide).
+                self.forward_loss = torch._dynamo.config.patch(
+                    use_recursive_dict_tags_for_guards=True
+                )(torch.compile(self.forward_loss))
+            else:
+                # with the embeddings cached, the UNet alone (the whole loss as one graph was
+                # 15% slower a step).
+                self.unet_forward = torch.compile(self.components.unet)
         with _tracer.start_as_current_span("training.precompute") as span:
             self.precompute_conditioning()
             self.precompute_latents()
@@ -681,7 +686,7 @@ class _Run:
         noisy = self.components.noise_scheduler.add_noise(latents, noise, timesteps)
         with self.autocast():
             prompt_embeds, pooled = (c.index_select(0, rows) for c in conditioning)
-            prediction = self.components.unet(
+            prediction = self.unet_forward(
                 noisy,
                 timesteps,
                 prompt_embeds,
