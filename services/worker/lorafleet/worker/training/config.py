@@ -37,10 +37,11 @@ class TrainingConfig:
       least this many seconds after the previous report (0: after every step), and after the
       last. Each report reads the loss, a device-to-host sync that stops the host from queueing
       the next step's kernels ahead, so a worker reports about once a second, not every step.
-    * `compile_model`: run the UNet, and the text encoders when they are trained, through
-      `torch.compile` (inductor). The first step pays the compilation (seconds with a warm
-      kernel cache, minutes cold); it wins on long jobs where the step is overhead-bound. Off by
-      default (docs/BENCHMARKS.md, "Trainer", has the figures).
+    * `compile_model`: `torch.compile` (inductor) the step's forward: the UNet when the text
+      embeddings are cached, one graph from the prompt's token ids to the loss when the text
+      encoders are trained. The first step pays the compilation (seconds with a warm kernel
+      cache, minutes cold); it wins on long jobs. Off by default (docs/BENCHMARKS.md,
+      "Trainer", has the figures).
     """
 
     spec: JobSpec
