@@ -224,7 +224,8 @@ def test_dropout_masks_survive_gradient_checkpointing(train: TrainFn) -> None:
 # Raised by dynamo itself while it inspects the text encoders' parameters (not by our code).
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 def test_compiled_model_trains_the_same_weights_and_resumes_exactly(train: TrainFn) -> None:
-    """`compile_model` (torch.compile of the UNet and the trained text encoders) changes how
+    """`compile_model` (with trained text encoders, torch.compile of the forward from the
+    prompt's token ids to the loss) changes how
     the step runs, not what it trains: the result is that of the eager run up to float
     rounding, and a compiled run interrupted and resumed (compiling again) is bit-identical to
     an uninterrupted compiled one."""

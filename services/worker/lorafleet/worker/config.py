@@ -135,8 +135,9 @@ class WorkerConfig(ServiceSettings):
     )
     compile_model: bool = Field(
         False,
-        description="torch.compile the UNet (and trained text encoders): a faster step after a "
-        "warm-up of seconds to minutes per job; pays off on long jobs",
+        description="torch.compile the UNet (with trained text encoders: the forward from the "
+        "prompt to the loss): a faster step after a warm-up of seconds to minutes per job; pays "
+        "off on long jobs",
     )
 
     # The simulated trainer (simulated.py): benchmarks and tests only, never the default.

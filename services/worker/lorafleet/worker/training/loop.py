@@ -341,10 +341,11 @@ class _Run:
         )
         self.unet_forward = self.components.unet
         if self.config.compile_model:
-            # Compiled on the first step (the warm-up: `timings.step_seconds[0]`). Random draws
-            # stay outside, from the run's generators; the modules stay the same objects: LoRA
-            # weights, checkpoints and the result are unchanged. What is compiled is what
-            # measured fastest (docs/BENCHMARKS.md, "Trainer"):
+            # Compiled on the first step (the warm-up: `timings.step_seconds[0]`). Noise,
+            # timesteps and latents are drawn outside, LoRA dropout masks inside, all from the
+            # run's generators; the modules stay the same objects: LoRA weights, checkpoints
+            # and the result are unchanged. What is compiled is what measured fastest
+            # (docs/BENCHMARKS.md, "Trainer"):
             if spec.train_text_encoder:
                 # one graph from the prompt's token ids to the loss, so one backward graph
                 # through the encoders and the UNet (-10% a step against compiling each model);

@@ -212,7 +212,7 @@ def tokenize(components: Components, prompts: list[str]) -> tuple[torch.Tensor, 
 def encode_prompts(
     text_encoders: Sequence[Any], ids: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDXL conditioning from `Components.text_encoders` (or compiled wrappers of them):
+    """SDXL conditioning from `Components.text_encoders`:
     penultimate hidden states of both encoders side by side, and the second encoder's projected
     pooled output. Grad flows when the encoders carry LoRA."""
     hidden = []
