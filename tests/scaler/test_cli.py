@@ -3,6 +3,7 @@ ledger (and the SaladCloud double), as an operator runs them; and the ledger rea
 
 from __future__ import annotations
 
+import argparse
 import json
 import uuid
 
@@ -53,6 +54,29 @@ async def _machine(ledger: Ledger, machine_id: str, *, qualified: bool = True) -
             free_disk_mb=50_000,
             versions={},
         ),
+    )
+
+
+def _salad_scaler_args(double: SaladDouble, database_url: str, *extra: str) -> argparse.Namespace:
+    """`lorafleet scaler --once` against the SaladCloud double."""
+    return build_parser(with_services=True).parse_args(
+        [
+            "scaler",
+            "--once",
+            *extra,
+            "--provider",
+            "salad",
+            "--salad-organization",
+            double.org,
+            "--salad-project",
+            double.project,
+            "--salad-group",
+            double.group,
+            "--salad-base-url",
+            double.base_url,
+            "--database-url",
+            database_url,
+        ]
     )
 
 
@@ -178,25 +202,7 @@ async def test_scaler_once_dry_run_prints_and_changes_nothing(
     try:
         await ledger.insert_jobs("alice", [_job(), _job()])
         monkeypatch.setenv("SALAD_API_KEY", double.api_key)
-        args = build_parser(with_services=True).parse_args(
-            [
-                "scaler",
-                "--once",
-                "--dry-run",
-                "--provider",
-                "salad",
-                "--salad-organization",
-                double.org,
-                "--salad-project",
-                double.project,
-                "--salad-group",
-                double.group,
-                "--salad-base-url",
-                double.base_url,
-                "--database-url",
-                database_url,
-            ]
-        )
+        args = _salad_scaler_args(double, database_url, "--dry-run")
         assert await run_scaler(args) == 0
     finally:
         await double.close()
@@ -221,24 +227,7 @@ async def test_scaler_once_exits_non_zero_when_the_provider_fails(
         await ledger.insert_jobs("alice", [_job()])
         double.inject("500", count=1_000)
         monkeypatch.setenv("SALAD_API_KEY", double.api_key)
-        args = build_parser(with_services=True).parse_args(
-            [
-                "scaler",
-                "--once",
-                "--provider",
-                "salad",
-                "--salad-organization",
-                double.org,
-                "--salad-project",
-                double.project,
-                "--salad-group",
-                double.group,
-                "--salad-base-url",
-                double.base_url,
-                "--database-url",
-                database_url,
-            ]
-        )
+        args = _salad_scaler_args(double, database_url)
         assert await run_scaler(args) == 1
     finally:
         await double.close()
