@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ import torch
 from safetensors import SafetensorError
 
 from lorafleet.worker.training.failures import CorruptCheckpoint
-from lorafleet.worker.training.serialization import safetensors_metadata
+from lorafleet.worker.training.serialization import safetensors_metadata, safetensors_parts
 
 MAGIC = b"LFCKPT\x00\x01"
 _DIGEST_BYTES = 32
@@ -171,32 +170,10 @@ def to_host(tensors: Mapping[str, torch.Tensor]) -> HostTensors:
     return HostTensors(packs, copied)
 
 
-# safetensors' names for the dtypes a checkpoint holds.
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-}
-_LENGTH = struct.Struct("<Q")
-
-
 def serialize_checkpoint(snapshot: TrainingSnapshot) -> bytes:
     """The checkpoint blob. Thread-safe: reads only the snapshot.
 
-    The safetensors payload is written here from the packed buffers (`to_host`), tensors in
+    The safetensors payload is written from the packed buffers (`to_host`), tensors in
     one canonical order (widest dtype first, so each stays aligned, then by key), whatever the
     order they came in: equal snapshots give equal bytes, a loaded checkpoint serialises to
     its own bytes again, and `safetensors.torch.load` reads the result like any safetensors
@@ -210,29 +187,16 @@ def serialize_checkpoint(snapshot: TrainingSnapshot) -> bytes:
     entries = []
     for buffer, layout in host.packs():
         width = buffer.element_size()
-        if buffer.dtype not in _SAFETENSORS_DTYPES:
-            raise TypeError(f"a checkpoint cannot hold {buffer.dtype} tensors")
         raw = memoryview(buffer.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
         for key, shape, offset in layout:
             entries.append(
                 (-width, key, buffer.dtype, shape, raw[offset * width :][: shape.numel() * width])
             )
     entries.sort(key=lambda entry: (entry[0], entry[1]))
-    header: dict[str, Any] = {
-        "__metadata__": {_STATE_KEY: json.dumps(state, separators=(",", ":"), sort_keys=True)}
-    }
-    start = 0
-    for _, key, dtype, shape, data in entries:
-        header[key] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [start, start + len(data)],
-        }
-        start += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    parts: list[bytes | memoryview] = [_LENGTH.pack(len(text)), text]
-    parts.extend(entry[4] for entry in entries)
+    parts = safetensors_parts(
+        [entry[1:] for entry in entries],
+        {_STATE_KEY: json.dumps(state, separators=(",", ":"), sort_keys=True)},
+    )
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)  # releases the GIL for large parts

@@ -337,7 +337,7 @@ class _Run:
             )
         self.enable_training_mode()
         self.forward_loss: Callable[..., torch.Tensor] = (
-            self._loss_from_token_ids if spec.train_text_encoder else self._loss_from_embeddings
+            self._loss_from_token_ids if spec.train_text_encoder else self._forward_loss
         )
         self.unet_forward = self.components.unet
         if self.config.compile_model:
@@ -646,20 +646,6 @@ class _Run:
         torch.autograd.backward(scaled)
         return loss.detach()
 
-    # Two entry points, one per kind of conditioning input, so that each is its own code object
-    # for torch.compile: a frozen-encoder run and a trained-encoder run in one process never
-    # share (and re-trace as dynamic shapes) one compiled function.
-    def _loss_from_embeddings(
-        self,
-        latents: torch.Tensor,
-        noise: torch.Tensor,
-        timesteps: torch.Tensor,
-        time_ids: torch.Tensor,
-        embeddings: tuple[torch.Tensor, torch.Tensor],
-        rows: torch.Tensor,
-    ) -> torch.Tensor:
-        return self._forward_loss(latents, noise, timesteps, time_ids, embeddings, rows)
-
     def _loss_from_token_ids(
         self,
         latents: torch.Tensor,
@@ -682,8 +668,8 @@ class _Run:
         conditioning: tuple[torch.Tensor, torch.Tensor],
         rows: torch.Tensor,
     ) -> torch.Tensor:
-        """The micro-batch's loss from its draws and prompt embeddings (with `compile_model`,
-        compiled as one graph with the prompt encoding before it)."""
+        """The micro-batch's loss from its draws and prompt embeddings (with `compile_model`
+        and trained encoders, compiled as one graph with the prompt encoding before it)."""
         noisy = self.components.noise_scheduler.add_noise(latents, noise, timesteps)
         with self.autocast():
             prompt_embeds, pooled = (c.index_select(0, rows) for c in conditioning)

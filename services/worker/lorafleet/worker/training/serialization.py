@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import safetensors.torch
@@ -34,15 +34,64 @@ def _split(buffer: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
     return header, view[_LENGTH.size + size :]
 
 
+def _framed(header: Mapping[str, Any]) -> bytes:
+    """The length prefix and the JSON header, padded with spaces to an 8-byte boundary."""
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return _LENGTH.pack(len(text)) + text
+
+
 def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
     """`safetensors.torch.save` with a deterministic header."""
     raw = safetensors.torch.save(dict(tensors), metadata=dict(metadata))
     header, data = _split(raw)
     ordered: dict[str, Any] = {"__metadata__": dict(sorted(header.pop("__metadata__", {}).items()))}
     ordered.update(header)
-    text = json.dumps(ordered, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    return _LENGTH.pack(len(text)) + text + bytes(data)
+    return _framed(ordered) + bytes(data)
+
+
+# safetensors' names for torch's dtypes.
+_DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+
+
+def safetensors_parts(
+    tensors: Iterable[tuple[str, torch.dtype, Sequence[int], memoryview]],
+    metadata: Mapping[str, str],
+) -> list[bytes | memoryview]:
+    """A safetensors file as its parts, for a writer that already holds the tensors' raw bytes
+    (slices of a few large buffers): the framed header, then each tensor's bytes, in the order
+    given (which the caller makes canonical and aligned). Joined, they are the file."""
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    data: list[bytes | memoryview] = []
+    start = 0
+    for key, dtype, shape, raw in tensors:
+        if dtype not in _DTYPE_NAMES:
+            raise TypeError(f"safetensors cannot hold {dtype} tensors")
+        header[key] = {
+            "dtype": _DTYPE_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [start, start + len(raw)],
+        }
+        start += len(raw)
+        data.append(raw)
+    return [_framed(header), *data]
 
 
 def safetensors_metadata(buffer: bytes | memoryview) -> dict[str, str]:
