@@ -7,10 +7,20 @@ import hashlib
 from pathlib import Path
 
 import aiohttp
+import grpc
 import pytest
 
 from lorafleet.client import AsyncClient, Client, WatchUpdate
-from lorafleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from lorafleet.client.api import _error
+from lorafleet.core.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    LorafleetError,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from lorafleet.core.model import EventKind, JobState, upload_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.scheduler.auth import create_api_key
@@ -158,3 +168,30 @@ async def test_watch_goes_on_across_a_scheduler_restart(database_url: str, tmp_p
     event_ids = [u.event.event_id for u in seen if u.event is not None]
     assert event_ids == sorted(set(event_ids))
     assert EventKind.CANCELED in {u.event.kind for u in seen if u.event is not None}
+
+
+def test_the_blocking_client_offers_every_call_of_the_async_one() -> None:
+    def public(cls: type) -> set[str]:
+        return {n for n in vars(cls) if not n.startswith("_") and callable(getattr(cls, n))}
+
+    assert public(AsyncClient) <= public(Client)
+
+
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [
+        (grpc.StatusCode.NOT_FOUND, NotFound),
+        (grpc.StatusCode.UNAUTHENTICATED, Unauthenticated),
+        (grpc.StatusCode.FAILED_PRECONDITION, FailedPrecondition),
+        (grpc.StatusCode.ALREADY_EXISTS, AlreadyExists),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, ResourceExhausted),
+    ],
+)
+def test_every_status_the_scheduler_answers_maps_back_to_its_error(
+    code: grpc.StatusCode, kind: type[LorafleetError]
+) -> None:
+    err = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="why")
+    mapped = _error(err)
+    assert type(mapped) is kind
+    assert str(mapped) == "why"
+    assert mapped.retryable is (kind is ResourceExhausted)

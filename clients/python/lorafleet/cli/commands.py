@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from lorafleet.cli.report import format_report, report_command, report_to_json
-from lorafleet.cli.samples import add_samples_command, samples_command
+from lorafleet.cli.samples import SAMPLES_HELP, add_samples_arguments, samples_command
 from lorafleet.cli.timeline import timeline_command
 from lorafleet.client import AsyncClient
 from lorafleet.client.api import build_spec
@@ -695,7 +695,9 @@ def add_job_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--price-per-gpu-hour", type=float, default=0.0, help="for the cost figures")
     p.add_argument("--per-job", action="store_true", help="a line per job too")
 
-    add_samples_command(sub)
+    p = sub.add_parser("samples", help=SAMPLES_HELP)
+    add_connection_flags(p)
+    add_samples_arguments(p)
 
     p = sub.add_parser("download", help="download the final LoRA (or a checkpoint)")
     add_connection_flags(p)

@@ -105,14 +105,12 @@ async def samples_command(client: AsyncClient, args: argparse.Namespace) -> int:
     return 0
 
 
-def add_samples_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from lorafleet.cli.commands import add_connection_flags
+SAMPLES_HELP = "download a job's validation images (--grid FILE: one picture), or queue new ones"
 
-    p = sub.add_parser(
-        "samples",
-        help="download a job's validation images (--grid FILE: one picture), or queue new ones",
-    )
-    add_connection_flags(p)
+
+def add_samples_arguments(p: argparse.ArgumentParser) -> None:
+    """The `samples` command's own arguments; commands.py adds the parser and connection flags
+    (so this module never imports commands.py, which imports it)."""
     p.add_argument("job_id")
     p.add_argument("-o", "--output", help="directory for the images (default JOB-samples)")
     p.add_argument("--grid", help="also write one PNG: prompts by row, steps by column")

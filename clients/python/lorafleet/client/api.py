@@ -36,10 +36,12 @@ from lorafleet.client.dataset import (
     read_zip,
 )
 from lorafleet.core.errors import (
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     LorafleetError,
     NotFound,
+    ResourceExhausted,
     StorageError,
     Unauthenticated,
 )
@@ -113,6 +115,10 @@ def _error(err: grpc.aio.AioRpcError, target: str | None = None) -> LorafleetErr
         return Unauthenticated(details)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return FailedPrecondition(details)
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return AlreadyExists(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(details)
     if code == grpc.StatusCode.UNAVAILABLE and target is not None and _unreachable(details):
         error = LorafleetError(
             f"no scheduler answers at {target} ({details.splitlines()[0][:200]}); start one with"
@@ -656,3 +662,31 @@ class Client:
 
     def download_checkpoint(self, job_id: str, step: int | None, destination: str | Path) -> Path:
         return self._run(self._async.download_checkpoint(job_id, step, destination))
+
+    def download_samples(self, job_id: str) -> builtins.list[tuple[SampleImageInfo, bytes]]:
+        return self._run(self._async.download_samples(job_id))
+
+    def request_samples(
+        self,
+        job_id: str,
+        *,
+        prompts: Sequence[str] = (),
+        steps: Sequence[int] = (),
+        negative_prompt: str = "",
+        guidance_scale: float = 0.0,
+        inference_steps: int = 0,
+        num_images: int = 0,
+        seed: int = 0,
+    ) -> builtins.list[int]:
+        return self._run(
+            self._async.request_samples(
+                job_id,
+                prompts=prompts,
+                steps=steps,
+                negative_prompt=negative_prompt,
+                guidance_scale=guidance_scale,
+                inference_steps=inference_steps,
+                num_images=num_images,
+                seed=seed,
+            )
+        )
