@@ -20,8 +20,8 @@ from lorafleet.worker.training import (
     load_checkpoint,
     serialize_checkpoint,
 )
+from lorafleet.worker.training.base_model import load_components
 from lorafleet.worker.training.config import resolve_runtime
-from lorafleet.worker.training.model import load_components
 from tests.worker.support import (
     Recorder,
     TrainFn,

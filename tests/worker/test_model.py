@@ -13,10 +13,10 @@ import torch
 import transformers
 
 from lorafleet.core.model import FailureClass
+from lorafleet.worker.training.base_model import encode_prompts, load_components, tokenize
 from lorafleet.worker.training.config import resolve_runtime
 from lorafleet.worker.training.failures import TrainingFailure
 from lorafleet.worker.training.lora import add_lora, lora_parameters
-from lorafleet.worker.training.model import encode_prompts, load_components, tokenize
 from tests.worker.support import TrainFn, instance_images, make_config, tiny_spec
 
 
@@ -154,7 +154,7 @@ def test_a_missing_model_path_is_an_input_fault_naming_it(
 
 
 def test_a_model_path_that_is_a_file_is_an_input_fault(tmp_path: Path) -> None:
-    from lorafleet.worker.training.model import check_model_ref
+    from lorafleet.worker.training.base_model import check_model_ref
 
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"x")

@@ -25,6 +25,12 @@ from diffusers.optimization import get_scheduler
 from opentelemetry import trace
 
 from lorafleet.core.spec import JobSpec
+from lorafleet.worker.training.base_model import (
+    encode_prompts,
+    install_output_hooks,
+    load_components,
+    tokenize,
+)
 from lorafleet.worker.training.checkpoint import (
     TrainingSnapshot,
     join_tensors,
@@ -51,12 +57,6 @@ from lorafleet.worker.training.lora import (
     kohya_weights_bytes,
     lora_parameters,
     lora_weights_bytes,
-)
-from lorafleet.worker.training.model import (
-    encode_prompts,
-    install_output_hooks,
-    load_components,
-    tokenize,
 )
 from lorafleet.worker.training.objective import (
     draw_noise,

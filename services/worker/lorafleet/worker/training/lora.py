@@ -19,7 +19,7 @@ from diffusers.utils import state_dict_utils as _state_dict_utils
 from peft import LoraConfig as _LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from lorafleet.worker.training.model import Components
+from lorafleet.worker.training.base_model import Components
 from lorafleet.worker.training.serialization import safetensors_bytes
 
 # Untyped in diffusers; peft types lora_alpha as int though it is a float scale numerator.

@@ -23,11 +23,11 @@ import torch
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from lorafleet.core.model import SampleSettings
+from lorafleet.worker.training.base_model import Components, load_components, sampling_pipeline
 from lorafleet.worker.training.checkpoint import load_checkpoint
 from lorafleet.worker.training.config import Runtime, TrainingConfig, resolve_runtime
 from lorafleet.worker.training.failures import CorruptCheckpoint, input_fault
 from lorafleet.worker.training.lora import add_lora, convert_state_dict_to_diffusers
-from lorafleet.worker.training.model import Components, load_components, sampling_pipeline
 from lorafleet.worker.training.sampling import png_bytes
 
 

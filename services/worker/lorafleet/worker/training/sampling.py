@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lorafleet.worker.training.model import Components, sampling_pipeline
+from lorafleet.worker.training.base_model import Components, sampling_pipeline
 
 # Class image i is drawn from seed `spec.seed + CLASS_SEED_OFFSET + i`: stable per index, so
 # images regenerated after an interruption are the ones the first attempt would have made.
