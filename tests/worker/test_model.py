@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -153,12 +154,44 @@ def test_a_missing_model_path_is_an_input_fault_naming_it(
     assert field in str(refused.value) and ref in str(refused.value)
 
 
-def test_a_model_path_that_is_a_file_is_an_input_fault(tmp_path: Path) -> None:
+def test_a_path_that_is_not_a_model_answers_the_same_whatever_is_there(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A tenant cannot probe a worker's disk: a missing path, a file and a folder that is not a
+    model all answer one message (only the path the tenant sent differs)."""
     from lorafleet.worker.training.base_model import check_model_ref
 
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"x")
-    with pytest.raises(TrainingFailure, match="is a file"):
-        check_model_ref("base_model", str(weights))
+    answers = set()
+    for ref in (str(weights), str(tmp_path), "/etc", str(tmp_path / "missing")):
+        with pytest.raises(TrainingFailure) as refused:
+            check_model_ref("base_model", ref)
+        assert refused.value.failure_class is FailureClass.INPUT
+        answers.add(str(refused.value).replace(repr(ref), "REF"))
+    assert len(answers) == 1, answers
     check_model_ref("base_model", "stabilityai/stable-diffusion-xl-base-1.0")  # a hub id: fine
-    check_model_ref("base_model", str(tmp_path))  # a folder: fine
+    check_model_ref("base_model", str(tiny_model_dir))  # a model folder: fine
+
+
+@pytest.mark.parametrize("shard", ["diffusion_pytorch_model.bin", "../elsewhere.safetensors"])
+def test_a_shard_index_naming_a_pickle_is_refused_before_loading(
+    tmp_path: Path, tiny_model_dir: Path, shard: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """use_safetensors does not stop a loader from opening the shards an index names."""
+    crafted = tmp_path / "crafted"
+    shutil.copytree(tiny_model_dir, crafted)
+    (crafted / "unet" / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"conv_in.weight": shard}})
+    )
+
+    def no_unpickling(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.load must not be reached")
+
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    config = make_config(crafted, tiny_spec(base_model=str(crafted)), model_path=None)
+    with pytest.raises(TrainingFailure) as refused:
+        load_components(config, resolve_runtime(config))
+    assert refused.value.failure_class is FailureClass.INPUT
+    assert "safetensors only" in str(refused.value)
+    assert shard in str(refused.value)

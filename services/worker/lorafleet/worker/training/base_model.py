@@ -9,6 +9,7 @@ scheduler config. Attention runs through PyTorch SDPA in both the UNet and the t
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -76,10 +77,19 @@ def _weights(load: Callable[[], T], field: str, ref: str, component: str) -> T:
 _HUB_ID = re.compile(r"(?:[\w.\-]{1,96}/)?[\w.\-]{1,96}")
 
 
-def check_model_ref(field: str, ref: str) -> None:
-    """A model reference from the job's spec is a folder on this machine or a hub id. A path
-    that is not there (or not a folder) is the job's fault, named at once: without this check
-    it reached the hub as a malformed repo id and failed as an internal error three times."""
+# The folders of a diffusers model that hold weights, and the file each library indexes its
+# shards with.
+_COMPONENT_FOLDERS = ("text_encoder", "text_encoder_2", "unet", "vae")
+
+
+def check_model_ref(field: str, ref: str, *, marker: str = "model_index.json") -> None:
+    """A model reference from the job's spec is a model folder on this worker or a hub id.
+
+    Anything that looks like a path and is not a model folder (`marker` inside it: a diffusers
+    pipeline's model_index.json, or a lone VAE's config.json) is the job's fault, with one
+    message whether the path is missing, a file, or some other folder: a tenant must not learn
+    which folders exist on a stranger's worker by probing. Without the check a bad path reached
+    the hub as a malformed repo id and failed as an internal error three times."""
     path_like = (
         ref.startswith(("/", "./", "../", "~", "."))
         or "\\" in ref
@@ -87,15 +97,39 @@ def check_model_ref(field: str, ref: str) -> None:
         or not _HUB_ID.fullmatch(ref)
     )
     path = Path(ref).expanduser()
-    if path.is_dir():
-        return
-    if path.exists():
-        raise input_fault(f"{field}: {ref!r} is a file; a local model is a diffusers folder")
-    if path_like:
+    if not path_like and not path.exists():
+        return  # a hub id
+    if not (path / marker).is_file():
         raise input_fault(
-            f"{field}: no folder {ref!r} on this worker (a local model must be a diffusers"
+            f"{field}: {ref!r} is not a model on this worker (a local model is a diffusers"
             " folder on the worker's disk; a hub model is named 'owner/name')"
         )
+    folders = [path] if marker != "model_index.json" else [path / c for c in _COMPONENT_FOLDERS]
+    for folder in folders:
+        _check_shard_index(field, ref, folder)
+
+
+def _check_shard_index(field: str, ref: str, folder: Path) -> None:
+    """A sharded model's index (`*.index.json`) names its shard files, and the loaders open
+    whatever it names: a `.bin` shard would be unpickled even though the model is loaded with
+    `use_safetensors`. Only safetensors shards beside the index are accepted."""
+    for index in folder.glob("*.index.json"):
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = set(weight_map.values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise input_fault(f"{field}: {ref!r} has an unreadable {index.name}") from exc
+        for shard in shards:
+            if (
+                not isinstance(shard, str)
+                or not shard.endswith(".safetensors")
+                or Path(shard).name != shard
+            ):
+                raise input_fault(
+                    f"{field}: {ref!r} names a shard {str(shard)[:100]!r} in {index.name};"
+                    " lorafleet loads models from safetensors only, never pickled .bin or"
+                    " .ckpt files"
+                )
 
 
 def load_components(config: TrainingConfig, runtime: Runtime) -> Components:
@@ -108,7 +142,7 @@ def load_components(config: TrainingConfig, runtime: Runtime) -> Components:
     if config.model_path is None:  # the operator's own model path is checked at qualification
         check_model_ref("base_model", ref)
     if config.vae_path is None and config.spec.vae_model:
-        check_model_ref("vae_model", config.spec.vae_model)
+        check_model_ref("vae_model", config.spec.vae_model, marker="config.json")
     common = _load_kwargs(config)
     try:
         tokenizer = transformers.CLIPTokenizer.from_pretrained(ref, subfolder="tokenizer", **common)
