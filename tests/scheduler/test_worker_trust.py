@@ -306,10 +306,28 @@ async def test_oversized_hello_fields_are_refused(
     assert field in (refused.value.details() or "")
 
 
+@pytest.mark.parametrize(
+    ("lease_ttl_s", "sweep_interval_s", "outage_s"),
+    [
+        (5.0, 0.2, 120),
+        # An outage longer than the TTL but shorter than three sweep intervals: the replicas'
+        # silence alone (three sweeps) did not count it as one, and every lease expired.
+        (6.0, 5.0, 10),
+    ],
+)
 async def test_leases_survive_an_outage_of_every_scheduler_longer_than_the_ttl(
-    database_url: str, tmp_path: Path
+    database_url: str,
+    tmp_path: Path,
+    lease_ttl_s: float,
+    sweep_interval_s: float,
+    outage_s: int,
 ) -> None:
-    config = scheduler_config(database_url, tmp_path / "data", lease_ttl_s=5.0)
+    config = scheduler_config(
+        database_url,
+        tmp_path / "data",
+        lease_ttl_s=lease_ttl_s,
+        sweep_interval_s=sweep_interval_s,
+    )
     async with (
         Scheduler(config) as first,
         grpc.aio.insecure_channel(f"127.0.0.1:{first.port}") as channel,
@@ -323,10 +341,14 @@ async def test_leases_survive_an_outage_of_every_scheduler_longer_than_the_ttl(
     conn = await asyncpg.connect(database_url)
     try:
         await conn.execute(
-            "UPDATE jobs SET lease_expires_at = now() - interval '1 minute';"
-            " UPDATE scheduler_replicas SET last_seen_at = now() - interval '2 minutes';"
-            " UPDATE machines SET last_seen_at = now() - interval '2 minutes'"
+            "UPDATE jobs SET lease_expires_at = now() - make_interval(secs => $1::float8)",
+            outage_s - lease_ttl_s,
         )
+        for table in ("scheduler_replicas", "machines"):
+            await conn.execute(
+                f"UPDATE {table} SET last_seen_at = now() - make_interval(secs => $1::float8)",
+                outage_s,
+            )
     finally:
         await conn.close()
     held = worker.ref(granted.lease)

@@ -153,6 +153,13 @@ class SchedulerConfig(ServiceSettings):
         return self
 
     @property
+    def outage_after_s(self) -> float:
+        """How long every replica must have been silent (no sweep) for a starting replica to
+        call it an outage and give running leases a TTL back: three sweep intervals, but never
+        more than a TTL, or an outage between the two would expire every lease."""
+        return min(3 * self.sweep_interval_s, self.lease_ttl_s)
+
+    @property
     def storage(self) -> S3Config | LocalStorage:
         if self.s3_bucket:
             return S3Config(

@@ -157,10 +157,10 @@ class Scheduler(AsyncLifecycle):
             replica_id=self.scheduler_id,
             upload_url_ttl_s=cfg.lease_put_ttl_s,
         )
-        # Before anything can expire a lease: if every replica was down (none swept for three
-        # intervals), the workers get a TTL from now to reconnect in (the outage was not theirs).
+        # Before anything can expire a lease: if every replica was down, the workers get a TTL
+        # from now to reconnect in (the outage was not theirs).
         extended = await self._ledger.start_replica(
-            self.scheduler_id, cfg.lease_ttl_s, down_after_s=3 * cfg.sweep_interval_s
+            self.scheduler_id, cfg.lease_ttl_s, down_after_s=cfg.outage_after_s
         )
         if extended:
             log.warning(
