@@ -176,6 +176,21 @@ class Machine:
     version: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class IdentityProof:
+    """A Hello's proof of which machine the worker runs on: at most one kind is set (none: the
+    machine is unverified). The scheduler's identity module checks it."""
+
+    salad_jwt: str = ""
+    ec2_document: bytes = b""
+    ec2_signature: bytes = b""
+    local_token: str = ""
+
+    @property
+    def present(self) -> bool:
+        return bool(self.salad_jwt or self.ec2_document or self.local_token)
+
+
 def checkpoint_key(job_id: str, step: int, epoch: int) -> str:
     """DESIGN.md: `jobs/<job_id>/checkpoints/<step>-e<epoch>`: two epochs never collide."""
     return f"jobs/{job_id}/checkpoints/{step}-e{epoch}"

@@ -16,6 +16,7 @@ from lorafleet.core.model import (
     Checkpoint,
     EventKind,
     FailureClass,
+    IdentityProof,
     Job,
     JobEvent,
     JobResult,
@@ -470,6 +471,17 @@ def machine_from_hello(hello: fpb.Hello) -> Machine:
         vram_mb=hello.vram_mb,
         qualified=hello.qualification.passed,
         version=hello.version,
+    )
+
+
+def identity_proof_from_hello(hello: fpb.Hello) -> IdentityProof:
+    """Sizes are bounded by the identity module, which also says what a bad proof is."""
+    proof = hello.identity
+    return IdentityProof(
+        salad_jwt=proof.salad_jwt,
+        ec2_document=proof.ec2.document,
+        ec2_signature=proof.ec2.signature,
+        local_token=proof.local_token,
     )
 
 

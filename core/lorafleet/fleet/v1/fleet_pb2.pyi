@@ -199,6 +199,7 @@ class Hello(_message.Message):
     HELD_LEASE_FIELD_NUMBER: _builtins.int
     HELD_LEASE_SECRET_FIELD_NUMBER: _builtins.int
     SESSION_TOKEN_FIELD_NUMBER: _builtins.int
+    IDENTITY_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     """SALAD_MACHINE_ID or configuration; bans attach to it."""
     provider_instance_id: _builtins.str
@@ -219,6 +220,12 @@ class Hello(_message.Message):
     def held_lease(self) -> Global___LeaseRef:
         """Set when reconnecting while holding a lease: continue it if it is still the job's lease."""
 
+    @_builtins.property
+    def identity(self) -> Global___ProviderIdentity:
+        """The provider's proof that this worker runs on machine_id. Without one the machine is
+        unverified: refused where the scheduler requires a proof, and never acted on by the scaler.
+        """
+
     def __init__(
         self,
         *,
@@ -231,14 +238,75 @@ class Hello(_message.Message):
         held_lease: Global___LeaseRef | None = ...,
         held_lease_secret: _builtins.str = ...,
         session_token: _builtins.str = ...,
+        identity: Global___ProviderIdentity | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["held_lease", b"held_lease", "qualification", b"qualification"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["held_lease", b"held_lease", "identity", b"identity", "qualification", b"qualification"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_model", b"gpu_model", "held_lease", b"held_lease", "held_lease_secret", b"held_lease_secret", "machine_id", b"machine_id", "provider_instance_id", b"provider_instance_id", "qualification", b"qualification", "session_token", b"session_token", "version", b"version", "vram_mb", b"vram_mb"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_model", b"gpu_model", "held_lease", b"held_lease", "held_lease_secret", b"held_lease_secret", "identity", b"identity", "machine_id", b"machine_id", "provider_instance_id", b"provider_instance_id", "qualification", b"qualification", "session_token", b"session_token", "version", b"version", "vram_mb", b"vram_mb"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Hello: _TypeAlias = Hello  # noqa: Y015
+
+@_typing.final
+class ProviderIdentity(_message.Message):
+    """A machine identity the provider signed (or, locally, the supervisor that started the worker)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SALAD_JWT_FIELD_NUMBER: _builtins.int
+    EC2_FIELD_NUMBER: _builtins.int
+    LOCAL_TOKEN_FIELD_NUMBER: _builtins.int
+    salad_jwt: _builtins.str
+    """SaladCloud: the container instance's identity token (IMDS GET /v1/token), a JWT signed with
+    SaladCloud's workload JWKS, naming salad_machine_id and salad_container_group_id.
+    """
+    local_token: _builtins.str
+    """`lorafleet up`: HMAC-SHA256 (hex) of machine_id under the supervisor's identity secret."""
+    @_builtins.property
+    def ec2(self) -> Global___Ec2IdentityDocument:
+        """EC2: the instance identity document and its signature."""
+
+    def __init__(
+        self,
+        *,
+        salad_jwt: _builtins.str = ...,
+        ec2: Global___Ec2IdentityDocument | None = ...,
+        local_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ec2", b"ec2", "local_token", b"local_token", "proof", b"proof", "salad_jwt", b"salad_jwt"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ec2", b"ec2", "local_token", b"local_token", "proof", b"proof", "salad_jwt", b"salad_jwt"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_proof: _TypeAlias = _typing.Literal["salad_jwt", "ec2", "local_token"]  # noqa: Y015
+    _WhichOneofArgType_proof: _TypeAlias = _typing.Literal["proof", b"proof"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_proof) -> _WhichOneofReturnType_proof | None: ...
+
+Global___ProviderIdentity: _TypeAlias = ProviderIdentity  # noqa: Y015
+
+@_typing.final
+class Ec2IdentityDocument(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DOCUMENT_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    document: _builtins.bytes
+    """IMDS /latest/dynamic/instance-identity/document, byte for byte."""
+    signature: _builtins.bytes
+    """IMDS /latest/dynamic/instance-identity/signature: base64 RSA-SHA256 of the document."""
+    def __init__(
+        self,
+        *,
+        document: _builtins.bytes = ...,
+        signature: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["document", b"document", "signature", b"signature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Ec2IdentityDocument: _TypeAlias = Ec2IdentityDocument  # noqa: Y015
 
 @_typing.final
 class Ready(_message.Message):
