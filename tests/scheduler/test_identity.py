@@ -21,13 +21,13 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509.oid import NameOID
 
 from lorafleet.core.errors import Unauthenticated
+from lorafleet.core.identity import local_identity_token
 from lorafleet.core.model import IdentityProof
 from lorafleet.scheduler.identity import (
     Ec2IdentityVerifier,
     IdentityVerifiers,
     LocalIdentityVerifier,
     SaladIdentityVerifier,
-    local_identity_token,
 )
 
 GROUP = "8e6c3f1a-1b2c-4d5e-8f90-123456789abc"

@@ -15,6 +15,9 @@ class ImdsDouble:
     notice: dict[str, str] | None = None
     instance_id: str = "i-0123456789abcdef0"
     instance_id_reads: int = 0
+    # The signed instance identity document (IMDS /latest/dynamic/instance-identity/...).
+    identity_document: bytes = b""
+    identity_signature: bytes = b""
     tokens: set[str] = field(default_factory=set)
     token_puts: int = 0
     polls: int = 0
@@ -29,6 +32,8 @@ class ImdsDouble:
         app.router.add_put("/latest/api/token", self._token)
         app.router.add_get("/latest/meta-data/spot/instance-action", self._notice)
         app.router.add_get("/latest/meta-data/instance-id", self._instance_id)
+        app.router.add_get("/latest/dynamic/instance-identity/document", self._document)
+        app.router.add_get("/latest/dynamic/instance-identity/signature", self._signature)
         self._runner = web.AppRunner(app, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -67,3 +72,15 @@ class ImdsDouble:
             return web.Response(status=401)
         self.instance_id_reads += 1
         return web.Response(text=self.instance_id)
+
+    async def _document(self, request: web.Request) -> web.Response:
+        if request.headers.get("X-aws-ec2-metadata-token") not in self.tokens:
+            return web.Response(status=401)
+        return web.Response(body=self.identity_document, content_type="text/plain")
+
+    async def _signature(self, request: web.Request) -> web.Response:
+        if request.headers.get("X-aws-ec2-metadata-token") not in self.tokens:
+            return web.Response(status=401)
+        # EC2 serves the base64 text wrapped over several lines.
+        text = self.identity_signature
+        return web.Response(body=b"\n".join(text[i : i + 64] for i in range(0, len(text), 64)))

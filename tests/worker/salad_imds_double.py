@@ -23,6 +23,8 @@ class SaladImdsDouble:
     status: int | None = None
     reallocations: list[ReallocatePrototype] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    # What GET /v1/token answers (the instance's identity token).
+    jwt: str = "header.payload.signature"
     # Set on every request, accepted or not, so a test can wait for the call.
     called: asyncio.Event = field(default_factory=asyncio.Event)
     base_url: str = ""
@@ -31,6 +33,7 @@ class SaladImdsDouble:
     async def start(self) -> str:
         app = web.Application()
         app.router.add_post("/v1/reallocate", self._reallocate)
+        app.router.add_get("/v1/token", self._token)
         self._runner = web.AppRunner(app, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -62,5 +65,15 @@ class SaladImdsDouble:
                 return self._error(self.status, "refused by the test")
             self.reallocations.append(body)
             return web.Response(status=204)
+        finally:
+            self.called.set()
+
+    async def _token(self, request: web.Request) -> web.Response:
+        try:
+            if request.headers.get("Metadata") != "true":
+                return self._error(400, "the Metadata: true header is required")
+            if self.status is not None:
+                return self._error(self.status, "refused by the test")
+            return web.json_response({"jwt": self.jwt})
         finally:
             self.called.set()

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import structlog
 
+from lorafleet.core.identity import local_identity_token
 from lorafleet.core.retry import backoff_delay
 from lorafleet.scaler.provider import Instance, InstanceState
 
@@ -76,6 +77,7 @@ class LocalProcessProvider:
         scheduler_address: str,
         worker_token: str,
         log_dir: Path,
+        identity_secret: str = "",
         gpus: int,
         extra_env: dict[str, str] | None = None,
         restart_backoff_s: float = 1.0,
@@ -84,6 +86,8 @@ class LocalProcessProvider:
     ) -> None:
         self._scheduler_address = scheduler_address
         self._worker_token = worker_token
+        # Shared with the scheduler: each worker gets a token for its own machine id only.
+        self._identity_secret = identity_secret
         self._log_dir = log_dir
         self._gpus = gpus
         self._extra_env = dict(extra_env or {})
@@ -105,6 +109,10 @@ class LocalProcessProvider:
             # The worker stops when this process dies (worker.main.stop_with_parent).
             LORAFLEET_PARENT_PID=str(os.getpid()),
         )
+        if self._identity_secret:
+            env["LORAFLEET_IDENTITY_TOKEN"] = local_identity_token(
+                self._identity_secret, machine_id
+            )
         if self._gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(index)
         else:

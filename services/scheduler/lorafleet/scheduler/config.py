@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import AfterValidator, AliasChoices, Field, model_validator
 
 from lorafleet.core.settings import ServiceSettings
+from lorafleet.scheduler.identity import SALAD_JWKS_URL
 from lorafleet.scheduler.storage import S3Config
 from lorafleet.scheduler.webhooks import canonical_networks
 
@@ -129,6 +130,32 @@ class SchedulerConfig(ServiceSettings):
         description="comma-separated CIDRs webhooks may reach besides public addresses"
         " (e.g. 127.0.0.0/8 when receivers run beside the scheduler); empty: public only",
     )
+    # Provider identities (identity.py): where a worker's machine id comes from.
+    require_provider_identity: bool = Field(
+        False,
+        description="refuse a worker whose Hello carries no valid provider identity (SaladCloud"
+        " instance token, EC2 identity document, or `lorafleet up`'s local token)",
+    )
+    salad_container_group_ids: str = Field(
+        "",
+        description="comma-separated SaladCloud container group ids whose instance tokens"
+        " identify workers; empty: SaladCloud tokens are refused",
+    )
+    salad_jwks_url: str = Field(
+        SALAD_JWKS_URL,
+        pattern=r"^https?://\S+$",
+        description="SaladCloud's workload JWKS, which signs instance tokens",
+    )
+    ec2_identity_certificate_file: Path | None = Field(
+        None,
+        description="PEM file of the AWS public certificates (one per region) that sign EC2"
+        " instance identity documents; unset: EC2 documents are refused",
+    )
+    ec2_account_ids: str = Field(
+        "",
+        description="comma-separated AWS account ids whose instances may join (with"
+        " --ec2-identity-certificate-file)",
+    )
 
     metrics_port: int | None = Field(
         None,
@@ -145,6 +172,8 @@ class SchedulerConfig(ServiceSettings):
     def _consistent(self) -> SchedulerConfig:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
+        if (self.ec2_identity_certificate_file is None) != (not self.ec2_account_ids):
+            raise ValueError("ec2_identity_certificate_file and ec2_account_ids go together")
         if self.heartbeat_interval_s * 3 > min(self.lease_put_ttl_s, self.url_ttl_s):
             # Upload URLs are renewed on a heartbeat once a third of their life is left.
             raise ValueError(

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import hmac
 import json
 import re
@@ -43,6 +42,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from lorafleet.core.errors import LorafleetError, Unauthenticated
+from lorafleet.core.identity import local_identity_token
 from lorafleet.core.model import IdentityProof
 
 # The scheduler's rule for machine ids (the same as serde.machine_from_hello's).
@@ -180,7 +180,8 @@ class Ec2IdentityVerifier:
         ):
             raise _refused("an EC2 identity document or signature of a wrong size")
         try:
-            raw_signature = base64.b64decode(signature, validate=True)
+            # EC2 serves the base64 text wrapped over lines.
+            raw_signature = base64.b64decode(b"".join(signature.split()), validate=True)
         except ValueError as exc:
             raise _refused("the EC2 signature is not base64") from exc
         if not any(self._signed_by(key, document, raw_signature) for key in self._keys):
@@ -201,11 +202,6 @@ class Ec2IdentityVerifier:
         except InvalidSignature:
             return False
         return True
-
-
-def local_identity_token(secret: str, machine_id: str) -> str:
-    """What the local supervisor gives the worker process it starts as `machine_id`."""
-    return hmac.new(secret.encode(), machine_id.encode(), hashlib.sha256).hexdigest()
 
 
 class LocalIdentityVerifier:
@@ -258,3 +254,33 @@ class IdentityVerifiers:
                 f" {declared_machine_id[:128]!r}"
             )
         return verified
+
+
+def _ids(text: str) -> frozenset[str]:
+    return frozenset(part.strip() for part in text.split(",") if part.strip())
+
+
+def build_verifiers(
+    *,
+    local_secret: str,
+    required: bool,
+    salad_container_group_ids: str = "",
+    salad_jwks_url: str = SALAD_JWKS_URL,
+    ec2_certificates_pem: bytes | None = None,
+    ec2_account_ids: str = "",
+) -> IdentityVerifiers:
+    """The verifiers a scheduler's configuration names; the local one always (only the
+    scheduler and the supervisor it shares `local_secret` with can mint its tokens)."""
+    groups = _ids(salad_container_group_ids)
+    return IdentityVerifiers(
+        salad=SaladIdentityVerifier(container_group_ids=groups, jwks_url=salad_jwks_url)
+        if groups
+        else None,
+        ec2=Ec2IdentityVerifier(
+            certificates_pem=ec2_certificates_pem, account_ids=_ids(ec2_account_ids)
+        )
+        if ec2_certificates_pem is not None
+        else None,
+        local=LocalIdentityVerifier(secret=local_secret),
+        required=required,
+    )

@@ -71,6 +71,7 @@ from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
 from lorafleet.worker import metrics
 from lorafleet.worker.config import WorkerConfig
+from lorafleet.worker.identity import fetch_identity
 from lorafleet.worker.lease_runner import (
     LeaseLost,
     LeaseResult,
@@ -544,7 +545,9 @@ class Agent(AsyncLifecycle):
             metadata=(("authorization", f"Bearer {self.config.worker_token}"),)
         )
         session = _Session(channel, call)
-        session.send(fpb.ConnectRequest(hello=self._hello()))
+        hello = self._hello()
+        hello.identity.CopyFrom(await fetch_identity(self.config))
+        session.send(fpb.ConnectRequest(hello=hello))
         try:
             async with asyncio.timeout(self.config.welcome_timeout_s):
                 first = await call.read()

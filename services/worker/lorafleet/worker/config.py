@@ -44,7 +44,9 @@ class WorkerConfig(ServiceSettings):
     """
 
     # The retry policy of uploads and downloads: tuned by tests, not an operator's option.
-    not_flags: ClassVar[frozenset[str]] = frozenset({"transfer", "salad_container_group_id"})
+    not_flags: ClassVar[frozenset[str]] = frozenset(
+        {"transfer", "salad_container_group_id", "identity_token"}
+    )
 
     # Connection.
     worker_token: str = Field(
@@ -181,6 +183,17 @@ class WorkerConfig(ServiceSettings):
         "http://169.254.169.254",
         pattern=r"^https?://[^/\s]+$",
         description="the EC2 instance metadata service (tests point it elsewhere)",
+    )
+    provider_identity: Literal["auto", "none", "salad", "ec2", "local"] = Field(
+        "auto",
+        description="the provider's proof of this machine's id, sent in every Hello (salad: the"
+        " instance's identity token; ec2: the signed instance identity document; local: the"
+        " token `lorafleet up` gives its workers); auto: by where the worker runs",
+    )
+    identity_token: str = Field(
+        "",
+        description="the local supervisor's identity token for this machine id (set by"
+        " `lorafleet up` for the workers it starts; not an option)",
     )
     salad_reallocate: bool | None = Field(
         None,

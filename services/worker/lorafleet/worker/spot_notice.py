@@ -54,7 +54,7 @@ class _Expired(Exception):
     pass
 
 
-async def _token(session: aiohttp.ClientSession, base_url: str, ttl_s: int) -> str:
+async def imds_token(session: aiohttp.ClientSession, base_url: str, ttl_s: int) -> str:
     async with session.put(base_url + TOKEN_PATH, headers={TTL_HEADER: str(ttl_s)}) as response:
         response.raise_for_status()
         return await response.text()
@@ -91,7 +91,7 @@ async def watch_spot_notice(
             fresh = token is None
             try:
                 if token is None:
-                    token = await _token(session, base_url, token_ttl_s)
+                    token = await imds_token(session, base_url, token_ttl_s)
                 notice = await fetch_spot_notice(session, base_url, token)
                 if notice is not None:
                     return notice
@@ -127,7 +127,7 @@ async def fetch_instance_id(
             if attempt:
                 await asyncio.sleep(min(1.0, 0.1 * 2**attempt))  # backoff between attempts
             try:
-                token = await _token(session, base_url, token_ttl_s)
+                token = await imds_token(session, base_url, token_ttl_s)
                 async with session.get(
                     base_url + INSTANCE_ID_PATH, headers={TOKEN_HEADER: token}
                 ) as response:
