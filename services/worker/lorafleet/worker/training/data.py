@@ -241,7 +241,7 @@ def prepare_images(
 
 
 @dataclass(frozen=True)
-class Sample:
+class Example:
     """One image of a batch, with its crop offset in the resized image and its flip.
 
     `size` is the (height, width) crop when it is not the image's own `target_size`: a class
@@ -407,7 +407,7 @@ class TrainingData:
 
     @property
     def deterministic(self) -> bool:
-        """True when every sample of an image is the same tensor: no flip, no free crop.
+        """True when every example of an image is the same tensor: no flip, no free crop.
 
         Then VAE latents can be computed once up front. A random crop of an image whose
         resized form is already square has nothing to choose.
@@ -426,10 +426,10 @@ class TrainingData:
         size = self.images[image].target_size
         return size if size != (0, 0) else (self.resolution, self.resolution)
 
-    def fixed_sample(self, image: int) -> Sample:
-        """The only sample of `image` when `deterministic`."""
+    def fixed_example(self, image: int) -> Example:
+        """The only example of `image` when `deterministic`."""
         top, left = self._centre(self.images[image].pixels, self.target(image))
-        return Sample(image, top, left, False)
+        return Example(image, top, left, False)
 
     @staticmethod
     def _centre(pixels: torch.Tensor, size: tuple[int, int]) -> tuple[int, int]:
@@ -451,7 +451,7 @@ class TrainingData:
 
     def _draw(
         self, image: int, generator: torch.Generator, size: tuple[int, int] | None = None
-    ) -> Sample:
+    ) -> Example:
         crop = size or self.target(image)
         pixels = self.source(image, crop)
         height, width = pixels.shape[1:]
@@ -462,43 +462,43 @@ class TrainingData:
             top = _randint(height - crop[0], generator)
             left = _randint(width - crop[1], generator)
         flip = bool(torch.rand((), generator=generator) < 0.5) if self.random_flip else False
-        return Sample(image, top, left, flip, None if crop == self.target(image) else crop)
+        return Example(image, top, left, flip, None if crop == self.target(image) else crop)
 
-    def next_batch(self, batch_size: int, generator: torch.Generator) -> list[Sample]:
+    def next_batch(self, batch_size: int, generator: torch.Generator) -> list[Example]:
         indices = self.order.next_indices(batch_size, generator)
-        samples = [self._draw(i % self.num_instance, generator) for i in indices]
+        examples = [self._draw(i % self.num_instance, generator) for i in indices]
         if self.num_class:
             # Class images are cropped to the instance images' size (one bucket a batch).
-            size = self.target(samples[0].image)
-            samples += [
+            size = self.target(examples[0].image)
+            examples += [
                 self._draw(self.num_instance + i % self.num_class, generator, size) for i in indices
             ]
-        return samples
+        return examples
 
-    def size_of(self, sample: Sample) -> tuple[int, int]:
-        return sample.size or self.target(sample.image)
+    def size_of(self, example: Example) -> tuple[int, int]:
+        return example.size or self.target(example.image)
 
-    def pixels(self, samples: Iterable[Sample]) -> torch.Tensor:
+    def pixels(self, examples: Iterable[Example]) -> torch.Tensor:
         """Float batch in [-1, 1], (B, 3, H, W), on the host (one size a batch)."""
         crops = []
-        for sample in samples:
-            height, width = self.size_of(sample)
-            crop = self.source(sample.image, (height, width))[
-                :, sample.top : sample.top + height, sample.left : sample.left + width
+        for example in examples:
+            height, width = self.size_of(example)
+            crop = self.source(example.image, (height, width))[
+                :, example.top : example.top + height, example.left : example.left + width
             ]
-            crops.append(crop.flip(-1) if sample.flip else crop)
+            crops.append(crop.flip(-1) if example.flip else crop)
         return torch.stack(crops).float().div_(127.5).sub_(1.0)
 
-    def time_ids(self, samples: Iterable[Sample]) -> torch.Tensor:
-        """SDXL micro-conditioning per sample: original (h, w), crop (top, left) in the resized
+    def time_ids(self, examples: Iterable[Example]) -> torch.Tensor:
+        """SDXL micro-conditioning per example: original (h, w), crop (top, left) in the resized
         image, target (h, w): the size it is trained at (its bucket with bucketing)."""
         rows = [
-            [*self.images[s.image].original_size, s.top, s.left, *self.size_of(s)] for s in samples
+            [*self.images[s.image].original_size, s.top, s.left, *self.size_of(s)] for s in examples
         ]
         return torch.tensor(rows, dtype=torch.float32)
 
-    def prompt_indices(self, samples: Iterable[Sample]) -> torch.Tensor:
-        return torch.tensor([self.prompt_of[s.image] for s in samples], dtype=torch.long)
+    def prompt_indices(self, examples: Iterable[Example]) -> torch.Tensor:
+        return torch.tensor([self.prompt_of[s.image] for s in examples], dtype=torch.long)
 
 
 def _intern(values: list[str], value: str) -> int:

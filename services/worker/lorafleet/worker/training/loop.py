@@ -40,8 +40,8 @@ from lorafleet.worker.training.checkpoint import (
 from lorafleet.worker.training.config import TrainingConfig, resolve_runtime
 from lorafleet.worker.training.data import (
     DataOrder,
+    Example,
     PreparedImage,
-    Sample,
     TrainingData,
     TrainingImage,
     prepare_images,
@@ -482,11 +482,11 @@ class _Run:
         images = range(len(self.data.images))
         if len({self.data.target(i) for i in images}) > 1:
             # Aspect-ratio buckets: one image at a time, kept per image (sizes differ).
-            self.latent_list = [self.encode_moments([self.data.fixed_sample(i)]) for i in images]
+            self.latent_list = [self.encode_moments([self.data.fixed_example(i)]) for i in images]
             return
         for start in range(0, len(images), _ENCODE_CHUNK):
-            samples = [self.data.fixed_sample(i) for i in images[start : start + _ENCODE_CHUNK]]
-            chunks.append(self.encode_moments(samples))
+            examples = [self.data.fixed_example(i) for i in images[start : start + _ENCODE_CHUNK]]
+            chunks.append(self.encode_moments(examples))
         self.latent_moments = torch.cat(chunks)
 
     def build_optimization(self) -> None:
@@ -611,8 +611,8 @@ class _Run:
         for micro in range(accumulation):
             if micro:
                 self.poll()
-            samples = self.data.next_batch(self.spec.train_batch_size, self.data_generator)
-            loss = self.micro_step(samples)
+            examples = self.data.next_batch(self.spec.train_batch_size, self.data_generator)
+            loss = self.micro_step(examples)
             total = loss if total is None else total + loss
         self.apply_gradients()
         self.step += 1
@@ -624,20 +624,20 @@ class _Run:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.runtime.device.type, dtype=self.autocast_dtype)
 
-    def micro_step(self, samples: list[Sample]) -> torch.Tensor:
+    def micro_step(self, examples: list[Example]) -> torch.Tensor:
         """Forward and backward of one micro-batch; gradients add up until apply_gradients.
         Returns the micro-batch's loss, detached."""
         device = self.runtime.device
-        latents = self.latents(samples)
+        latents = self.latents(examples)
         noise, timesteps = draw_noise(
             latents,
             self.noise_generator,
             noise_offset=self.spec.noise_offset,
             num_train_timesteps=self.num_train_timesteps,
         )
-        time_ids = self.data.time_ids(samples).to(device, non_blocking=True)
+        time_ids = self.data.time_ids(examples).to(device, non_blocking=True)
         loss = self.forward_loss(
-            latents, noise, timesteps, time_ids, *self.conditioning_inputs(samples)
+            latents, noise, timesteps, time_ids, *self.conditioning_inputs(examples)
         )
         # The accumulated gradient is that of the mean loss over the micro-batches.
         scaled = loss / self.spec.gradient_accumulation_steps
@@ -702,33 +702,33 @@ class _Run:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def encode_moments(self, samples: list[Sample]) -> torch.Tensor:
+    def encode_moments(self, examples: list[Example]) -> torch.Tensor:
         """VAE posterior (mean, std) stacked on the channel axis."""
         vae = self.components.vae
-        pixels = self.data.pixels(samples).to(self.runtime.device, vae.dtype, non_blocking=True)
+        pixels = self.data.pixels(examples).to(self.runtime.device, vae.dtype, non_blocking=True)
         with torch.no_grad():
             posterior = vae.encode(pixels).latent_dist
         return torch.cat([posterior.mean, posterior.std], dim=1)
 
-    def latents(self, samples: list[Sample]) -> torch.Tensor:
+    def latents(self, examples: list[Example]) -> torch.Tensor:
         """Scaled latents sampled from the VAE posterior with the run's noise generator."""
         if self.latent_moments is not None:
-            index = torch.tensor([s.image for s in samples], device=self.runtime.device)
+            index = torch.tensor([s.image for s in examples], device=self.runtime.device)
             moments = self.latent_moments.index_select(0, index)
         elif self.latent_list is not None:
-            moments = torch.cat([self.latent_list[s.image] for s in samples])
+            moments = torch.cat([self.latent_list[s.image] for s in examples])
         else:
-            moments = self.encode_moments(samples)
+            moments = self.encode_moments(examples)
         return sample_latents(moments, self.noise_generator, self.components.vae.config)
 
     def conditioning_inputs(
-        self, samples: list[Sample]
+        self, examples: list[Example]
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """What `_forward_loss` conditions on, and the row of it for each sample: the cached
+        """What `_forward_loss` conditions on, and the row of it for each example: the cached
         (prompt embeddings, pooled embeddings) with frozen encoders; with trained ones the token
         ids of each distinct prompt of the batch, encoded once (picked on the host: no sync)."""
         device = self.runtime.device
-        rows = [self.data.prompt_of[s.image] for s in samples]
+        rows = [self.data.prompt_of[s.image] for s in examples]
         if self.prompt_embeds is not None:
             return self.prompt_embeds, torch.tensor(rows, device=device)
         assert self.token_ids is not None
