@@ -79,6 +79,7 @@ def test_every_field_survives_a_round_trip() -> None:
         lora_dropout=0.1,
         repeats=3,
         aspect_ratio_bucketing=True,
+        scale_lr=True,
         validation_prompts=("a dog in the snow", "a dog at night"),
         validation_negative_prompt="blurry",
         validation_guidance_scale=7.5,

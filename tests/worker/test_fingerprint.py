@@ -98,6 +98,12 @@ def test_fields_that_do_not_train_leave_the_fingerprint_alone() -> None:
 
 
 def test_a_field_that_trains_changes_the_fingerprint() -> None:
-    for changes in ({"learning_rate": 2e-4}, {"seed": 1}, {"repeats": 2}, {"use_dora": True}):
+    for changes in (
+        {"learning_rate": 2e-4},
+        {"seed": 1},
+        {"repeats": 2},
+        {"use_dora": True},
+        {"scale_lr": True},
+    ):
         other = dataclasses.replace(BASE, **changes)
         assert job_fingerprint(other, INSTANCE, CLASS) != job_fingerprint(BASE, INSTANCE, CLASS)

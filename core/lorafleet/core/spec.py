@@ -467,6 +467,13 @@ class JobSpec:
         trains=False,
         since=2,
     )
+    scale_lr: bool = spec_field(
+        default=False,
+        help="multiply --learning-rate by train-batch-size x gradient-accumulation-steps"
+        " (diffusers' --scale_lr; the text encoders' rate is not scaled)",
+        trains=True,
+        since=3,
+    )
     # Checked in check_spec, with validation_prompt (at most MAX_SAMPLE_PROMPTS in all).
     validation_prompts: tuple[str, ...] = spec_field(
         default=(),

@@ -449,21 +449,25 @@ class _Run:
         runtime = self.runtime
         self.params: list[torch.nn.Parameter] = []
         groups: list[dict[str, Any]] = []
+        learning_rate = spec.learning_rate
+        if spec.scale_lr:
+            # As diffusers' --scale_lr: the rate per image seen, for one process.
+            learning_rate *= spec.train_batch_size * spec.gradient_accumulation_steps
         for name, module in self.trained.items():
             params = [p for _, p in lora_parameters(module)]
             self.params.extend(params)
-            lr = spec.learning_rate if name == "unet" else spec.text_encoder_learning_rate
+            lr = learning_rate if name == "unet" else spec.text_encoder_learning_rate
             if spec.optimizer == "prodigy":
                 # Prodigy learns one step size for all groups and refuses differing rates; as in
                 # diffusers' script, the text encoders train at learning_rate then.
-                lr = spec.learning_rate
+                lr = learning_rate
             if name == "text_encoder_2":
                 groups[-1]["params"].extend(params)
             else:
                 groups.append({"params": params, "lr": lr})
         optimizer_kwargs: dict[str, Any] = {
             # Also the default group rate, which the polynomial schedule decays from.
-            "lr": spec.learning_rate,
+            "lr": learning_rate,
             "betas": (spec.adam_beta1, spec.adam_beta2),
             "weight_decay": spec.adam_weight_decay,
             "eps": spec.adam_epsilon,
