@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from lorafleet.core.spec import JobSpec
+from lorafleet.core.spec import SPEC_FIELDS, SPEC_REVISION, JobSpec
 from lorafleet.worker.simulated import simulated_fingerprint
 from lorafleet.worker.training.data import PreparedImage, TrainingImage
 from lorafleet.worker.training.loop import job_fingerprint
@@ -107,3 +107,14 @@ def test_a_field_that_trains_changes_the_fingerprint() -> None:
     ):
         other = dataclasses.replace(BASE, **changes)
         assert job_fingerprint(other, INSTANCE, CLASS) != job_fingerprint(BASE, INSTANCE, CLASS)
+
+
+def test_a_new_field_at_its_default_leaves_old_fingerprints_alone() -> None:
+    """Fields that train and came after the first revision count only away from their default:
+    the fingerprint of a spec that leaves them all at their defaults has none of them."""
+    assert max(f.since for f in SPEC_FIELDS) == SPEC_REVISION
+    later = {f.name for f in SPEC_FIELDS if f.trains and f.since > 1}
+    assert later and not later & set(BASE.fingerprint_values())
+    assert {f.name for f in SPEC_FIELDS if f.trains and f.since <= 2} == set(
+        BASE.fingerprint_values(first_revision=2)
+    )
