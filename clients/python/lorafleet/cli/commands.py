@@ -1,8 +1,9 @@
 """The user-facing job commands: submit, watch, list, get, cancel, events, download.
 
 Every JobSpec field is a flag (`--learning-rate 2e-4`, `--train-text-encoder`,
-`--label team=a`), derived from the proto so that no option can be forgotten; a YAML or JSON
-file (`--spec job.yaml`) gives the same fields, and flags override it.
+`--label team=a`), built from its declaration in core/spec.py (type, choices, help, default) so
+that no option can be forgotten; a YAML or JSON file (`--spec job.yaml`) gives the same fields,
+and flags override it.
 """
 
 from __future__ import annotations
