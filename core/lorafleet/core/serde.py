@@ -45,7 +45,8 @@ from lorafleet.jobs.v1 import jobs_pb2 as pb
 # are the labels map, the webhook message and an unset lora_alpha.
 
 _SPEC_PROTO = pb.JobSpec.DESCRIPTOR.fields_by_name
-_WEBHOOK_FIELDS = {"webhook_url": "url", "webhook_events": "events"}
+# The spec fields the proto holds in its `webhook` message.
+_WEBHOOK_FIELDS = ("webhook_url", "webhook_events")
 
 
 def enum_prefix(enum: Any) -> str:
