@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from lorafleet.core.errors import InvalidArgument
-from lorafleet.core.serde import spec_from_proto, spec_to_proto
-from lorafleet.core.spec import JobSpec
+from lorafleet.core.serde import enum_numbers, enum_prefix, spec_from_proto, spec_to_proto
+from lorafleet.core.spec import SPEC_FIELDS, JobSpec, SpecField
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 
 PROMPT = "a photo of sks dog"
@@ -79,6 +79,7 @@ def test_every_field_survives_a_round_trip() -> None:
         lora_dropout=0.1,
         repeats=3,
         aspect_ratio_bucketing=True,
+        scale_lr=True,
         validation_prompts=("a dog in the snow", "a dog at night"),
         validation_negative_prompt="blurry",
         validation_guidance_scale=7.5,
@@ -201,3 +202,69 @@ def test_every_field_whose_zero_is_not_the_default_has_presence() -> None:
 def test_the_default_weight_decay_is_the_diffusers_scripts() -> None:
     msg = pb.JobSpec(instance_prompt=PROMPT, instance_data_prefix=PREFIX, max_train_steps=5)
     assert spec_from_proto(msg).adam_weight_decay == 1e-4
+
+
+# The declarations in core/spec.py and the proto must agree: every test below would catch a
+# field or an enum value added to one and not the other.
+
+
+def test_the_spec_fields_are_the_protos_in_the_same_order() -> None:
+    proto = [f.name for f in pb.JobSpec.DESCRIPTOR.fields]
+    declared = [f.name for f in SPEC_FIELDS]
+    # The webhook message holds two spec fields.
+    declared = [n for n in declared if n != "webhook_events"]
+    assert declared == [n if n != "webhook" else "webhook_url" for n in proto]
+
+
+def test_every_choice_has_its_proto_enum_value_and_back() -> None:
+    for f in SPEC_FIELDS:
+        if f.kind not in ("choice", "choices"):
+            continue
+        numbers = enum_numbers(f)  # raises KeyError for a name the proto lacks
+        enum = (
+            pb.WebhookEvent.DESCRIPTOR
+            if f.name == "webhook_events"
+            else pb.JobSpec.DESCRIPTOR.fields_by_name[f.name].enum_type
+        )
+        assert enum is not None, f.name
+        proto_names = {v.name for v in enum.values if v.number != 0}
+        assert {enum_prefix(enum) + n.upper() for n in numbers} == proto_names, f.name
+        assert 0 not in numbers.values(), f.name
+
+
+def test_an_unset_enum_takes_the_declared_default_and_an_unknown_one_is_refused() -> None:
+    msg = pb.JobSpec(instance_prompt=PROMPT, instance_data_prefix=PREFIX, max_train_steps=5)
+    spec = spec_from_proto(msg)
+    for f in SPEC_FIELDS:
+        if f.kind == "choice":
+            assert getattr(spec, f.name) == f.default
+    msg.optimizer = 99  # type: ignore[assignment]
+    with pytest.raises(InvalidArgument) as caught:
+        spec_from_proto(msg)
+    assert caught.value.field == "optimizer"
+
+
+def _valid(**changes: Any) -> JobSpec:
+    values: dict[str, Any] = {"max_train_steps": 100, **changes}
+    return JobSpec(instance_prompt=PROMPT, instance_data_prefix=PREFIX, **values)
+
+
+@pytest.mark.parametrize(
+    "field", [f for f in SPEC_FIELDS if f.high is not None], ids=lambda f: f.name
+)
+def test_each_declared_bound_is_checked(field: SpecField) -> None:
+    """Each numeric field takes its bounds and refuses a step beyond either, naming itself."""
+    high = 100 if field.high == "max_train_steps" else field.high
+    assert isinstance(high, (int, float))
+    step = 1 if field.kind == "int" else max(abs(high) * 1e-3, 1e-9)
+    low = 0.0 if field.positive else field.low
+    assert low is not None
+    value_type = int if field.kind == "int" else float
+    for ok in (high, low + step if field.positive else low):
+        if field.multiple_of and ok % field.multiple_of:
+            continue
+        _valid(**{field.name: value_type(ok)})
+    for bad in (high + step, low if field.positive else low - step):
+        with pytest.raises(InvalidArgument) as caught:
+            _valid(**{field.name: value_type(bad)})
+        assert caught.value.field == field.name

@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from lorafleet.app.main import build_parser
+from lorafleet.core.spec import SPEC_FIELDS
 from tests.clients.images import png_bytes
 from tests.scheduler.conftest import Fleet, fleet, scheduler_overrides
 
@@ -192,3 +193,34 @@ async def test_the_readme_grpcurl_calls_run_as_written(
     assert "pricePerGpuHour" in estimate or estimate.strip() == "{}"
     listed = await fleet.scheduler.storage.list("uploads/alice/rex/")
     assert any(o.key.endswith("/1.png") for o in listed)
+
+
+def spec_table() -> str:
+    """The README's table of job-spec fields, as the declarations in core/spec.py give it."""
+    rows = ["| option | flag | default | what it does |", "|---|---|---|---|"]
+    for f in SPEC_FIELDS:
+        if f.kind == "bool":
+            flag = f"--[no-]{f.flag.removeprefix('--')}"
+        elif f.choices:
+            flag = f"{f.flag} {'|'.join(f.choices)}"
+        elif f.kind == "map":
+            flag = f"{f.flag} KEY=VALUE"
+        else:
+            flag = f"{f.flag} {dict(int='N', float='X').get(f.kind, 'TEXT')}"
+        if not f.has_default:
+            default = "required"
+        else:
+            default = "-" if f.shown_default is None else f"`{f.shown_default}`"
+        cells = [f"`{f.name}`", f"`{flag}`", default, f.help]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def test_the_readme_lists_every_spec_field_as_declared() -> None:
+    """One row per JobSpec field, in order, with its flag, default and help (core/spec.py)."""
+    text = README.read_text()
+    expected = spec_table()
+    start = text.find(expected.splitlines()[0])
+    assert start >= 0, "the README has no spec table"
+    shown = text[start : text.find("\n\n", start) + 1]
+    assert shown == expected, f"the README's spec table differs; it should be:\n{expected}"

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -34,178 +33,97 @@ from lorafleet.core.model import (
     result_key,
     sample_image_key,
 )
-from lorafleet.core.spec import (
-    CaptionModeName,
-    JobSpec,
-    LrSchedulerName,
-    MixedPrecisionName,
-    OptimizerName,
-    OutputFormatName,
-    WebhookEventName,
-)
+from lorafleet.core.spec import SPEC_FIELD, SPEC_FIELDS, JobSpec, SpecField
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 
-_V = TypeVar("_V")
+# The job spec ---------------------------------------------------------------------------------
+# Fields convert by their declaration (core/spec.py) and the proto's descriptor: an enum value
+# by the naming rule (`lr_scheduler` "cosine" <-> LrScheduler.LR_SCHEDULER_COSINE; the zero,
+# UNSPECIFIED, is the field's default), a field with explicit presence (proto3 `optional`) takes
+# JobSpec's default when unset and is taken as given when set (a zero is honoured where it means
+# something, else refused by the spec's checks; never replaced by the default). The exceptions
+# are the labels map, the webhook message and an unset lora_alpha.
 
-LR_SCHEDULERS: dict[int, LrSchedulerName] = {
-    pb.LR_SCHEDULER_UNSPECIFIED: "constant",
-    pb.LR_SCHEDULER_CONSTANT: "constant",
-    pb.LR_SCHEDULER_CONSTANT_WITH_WARMUP: "constant_with_warmup",
-    pb.LR_SCHEDULER_LINEAR: "linear",
-    pb.LR_SCHEDULER_COSINE: "cosine",
-    pb.LR_SCHEDULER_COSINE_WITH_RESTARTS: "cosine_with_restarts",
-    pb.LR_SCHEDULER_POLYNOMIAL: "polynomial",
-}
-MIXED_PRECISIONS: dict[int, MixedPrecisionName] = {
-    pb.MIXED_PRECISION_UNSPECIFIED: "no",
-    pb.MIXED_PRECISION_NO: "no",
-    pb.MIXED_PRECISION_FP16: "fp16",
-    pb.MIXED_PRECISION_BF16: "bf16",
-}
-CAPTION_MODES: dict[int, CaptionModeName] = {
-    pb.CAPTION_MODE_UNSPECIFIED: "file_else_prompt",
-    pb.CAPTION_MODE_FILE_ELSE_PROMPT: "file_else_prompt",
-    pb.CAPTION_MODE_INSTANCE_PROMPT: "instance_prompt",
-}
-OPTIMIZERS: dict[int, OptimizerName] = {
-    pb.OPTIMIZER_UNSPECIFIED: "adamw",
-    pb.OPTIMIZER_ADAMW: "adamw",
-    pb.OPTIMIZER_ADAMW_8BIT: "adamw_8bit",
-    pb.OPTIMIZER_PRODIGY: "prodigy",
-}
-OUTPUT_FORMATS: dict[int, OutputFormatName] = {
-    pb.OUTPUT_FORMAT_UNSPECIFIED: "diffusers",
-    pb.OUTPUT_FORMAT_DIFFUSERS: "diffusers",
-    pb.OUTPUT_FORMAT_KOHYA: "kohya",
-    pb.OUTPUT_FORMAT_BOTH: "both",
-}
-WEBHOOK_EVENTS: dict[int, WebhookEventName] = {
-    pb.WEBHOOK_EVENT_CHECKPOINT: "checkpoint",
-    pb.WEBHOOK_EVENT_SUCCEEDED: "succeeded",
-    pb.WEBHOOK_EVENT_FAILED: "failed",
-    pb.WEBHOOK_EVENT_CANCELED: "canceled",
-    pb.WEBHOOK_EVENT_SAMPLES: "samples",
-}
+_SPEC_PROTO = pb.JobSpec.DESCRIPTOR.fields_by_name
+# The spec fields the proto holds in its `webhook` message.
+_WEBHOOK_FIELDS = ("webhook_url", "webhook_events")
 
 
-def _lookup(table: dict[int, _V], value: int, field: str) -> _V:
-    try:
-        return table[value]
-    except KeyError:
-        raise InvalidArgument(field, f"unknown enum value {value}") from None
+def enum_prefix(enum: Any) -> str:
+    """An enum's value prefix by buf's naming rule: LrScheduler -> LR_SCHEDULER_."""
+    name = enum.name
+    return "".join(f"_{c}" if c.isupper() and i else c for i, c in enumerate(name)).upper() + "_"
 
 
-def _inverse(table: dict[int, _V]) -> dict[_V, int]:
-    # The UNSPECIFIED alias (0) maps to the same name as the explicit value; keep the explicit one.
-    out: dict[_V, int] = {}
-    for number, name in sorted(table.items()):
-        out[name] = number
-    return out
+def _enum_of(f: SpecField) -> Any:
+    if f.name == "webhook_events":
+        return pb.WebhookEvent.DESCRIPTOR
+    return _SPEC_PROTO[f.name].enum_type
 
 
-# The spec's defaults, read from JobSpec itself: an unset `optional` proto field takes them.
-_SPEC_DEFAULTS: dict[str, Any] = {
-    f.name: f.default for f in dataclasses.fields(JobSpec) if f.default is not dataclasses.MISSING
-}
+def enum_numbers(f: SpecField) -> dict[str, int]:
+    """A choice field's names and their proto enum numbers (the UNSPECIFIED zero left out)."""
+    enum = _enum_of(f)
+    prefix = enum_prefix(enum)
+    return {name: enum.values_by_name[prefix + name.upper()].number for name in f.choices}
 
 
-# Spec fields with explicit presence (proto3 `optional`): unset takes JobSpec's default, a set
-# value is taken as given (a zero is honoured where it means something, else refused by the
-# spec's checks; never replaced by the default).
-# (Typed Any: mypy-protobuf types HasField by a Literal of the names.)
-_OPTIONAL: tuple[Any, ...] = (
-    "prior_loss_weight",
-    "num_class_images",
-    "learning_rate",
-    "text_encoder_learning_rate",
-    "gradient_accumulation_steps",
-    "lr_num_cycles",
-    "lr_power",
-    "train_batch_size",
-    "resolution",
-    "lora_rank",
-    "checkpointing_steps",
-    "base_model",
-    "max_failures",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_weight_decay",
-    "adam_epsilon",
-    "max_grad_norm",
-    "prodigy_d_coef",
-    "prodigy_safeguard_warmup",
-    "prodigy_use_bias_correction",
-    "repeats",
-    "validation_guidance_scale",
-    "validation_inference_steps",
-    "num_validation_images",
-)
+def _enum_name(f: SpecField, number: int, field: str) -> Any:
+    if number == 0 and f.kind == "choice":
+        return f.default
+    for name, value in enum_numbers(f).items():
+        if value == number:
+            return name
+    raise InvalidArgument(field, f"unknown enum value {number}")
 
 
 def spec_from_proto(msg: pb.JobSpec) -> JobSpec:
     """Fills defaults for unset fields and validates; raises InvalidArgument naming the field."""
-    fields: dict[str, Any] = dict(
-        instance_prompt=msg.instance_prompt,
-        instance_data_prefix=msg.instance_data_prefix,
-        max_train_steps=msg.max_train_steps,
-        class_prompt=msg.class_prompt,
-        class_data_prefix=msg.class_data_prefix,
-        with_prior_preservation=msg.with_prior_preservation,
-        train_text_encoder=msg.train_text_encoder,
-        lr_scheduler=_lookup(LR_SCHEDULERS, msg.lr_scheduler, "lr_scheduler"),
-        lr_warmup_steps=msg.lr_warmup_steps,
-        gradient_checkpointing=msg.gradient_checkpointing,
-        use_8bit_adam=msg.use_8bit_adam,
-        mixed_precision=_lookup(MIXED_PRECISIONS, msg.mixed_precision, "mixed_precision"),
-        center_crop=msg.center_crop,
-        random_flip=msg.random_flip,
-        snr_gamma=msg.snr_gamma,
-        noise_offset=msg.noise_offset,
-        caption_mode=_lookup(CAPTION_MODES, msg.caption_mode, "caption_mode"),
-        validation_prompt=msg.validation_prompt,
-        validation_steps=msg.validation_steps,
-        seed=msg.seed,
-        vae_model=msg.vae_model,
-        min_vram_mb=msg.min_vram_mb,
-        priority=msg.priority,
-        labels=dict(msg.labels),
-        webhook_url=msg.webhook.url,
-        webhook_events=tuple(
-            _lookup(WEBHOOK_EVENTS, e, "webhook.events") for e in msg.webhook.events
-        ),
-        optimizer=_lookup(OPTIMIZERS, msg.optimizer, "optimizer"),
-        use_dora=msg.use_dora,
-        lora_dropout=msg.lora_dropout,
-        aspect_ratio_bucketing=msg.aspect_ratio_bucketing,
-        output_format=_lookup(OUTPUT_FORMATS, msg.output_format, "output_format"),
-        validation_prompts=tuple(msg.validation_prompts),
-        validation_negative_prompt=msg.validation_negative_prompt,
-    )
-    for name in _OPTIONAL:
-        fields[name] = getattr(msg, name) if msg.HasField(name) else _SPEC_DEFAULTS[name]
+    fields: dict[str, Any] = {}
+    for f in SPEC_FIELDS:
+        if f.name == "labels":
+            fields[f.name] = dict(msg.labels)
+        elif f.name == "webhook_url":
+            fields[f.name] = msg.webhook.url
+        elif f.name == "webhook_events":
+            fields[f.name] = tuple(_enum_name(f, e, "webhook.events") for e in msg.webhook.events)
+        elif f.kind == "choice":
+            fields[f.name] = _enum_name(f, getattr(msg, f.name), f.name)
+        elif f.kind == "texts":
+            fields[f.name] = tuple(getattr(msg, f.name))
+        elif _SPEC_PROTO[f.name].has_presence and not msg.HasField(f.name):  # type: ignore[arg-type]
+            if f.name == "lora_alpha":
+                continue  # filled below
+            fields[f.name] = f.default
+        else:
+            fields[f.name] = getattr(msg, f.name)
     # Unset alpha follows the rank (alpha = rank: a LoRA scale of 1).
-    fields["lora_alpha"] = (
-        msg.lora_alpha if msg.HasField("lora_alpha") else float(fields["lora_rank"])
-    )
+    if "lora_alpha" not in fields:
+        fields["lora_alpha"] = float(fields["lora_rank"])
     return JobSpec(**fields)
 
 
 def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
-    data = spec.to_dict()
-    webhook_url = data.pop("webhook_url")
-    webhook_events = data.pop("webhook_events")
-    labels = data.pop("labels")
-    data["lr_scheduler"] = _inverse(LR_SCHEDULERS)[spec.lr_scheduler]
-    data["mixed_precision"] = _inverse(MIXED_PRECISIONS)[spec.mixed_precision]
-    data["caption_mode"] = _inverse(CAPTION_MODES)[spec.caption_mode]
-    data["optimizer"] = _inverse(OPTIMIZERS)[spec.optimizer]
-    data["output_format"] = _inverse(OUTPUT_FORMATS)[spec.output_format]
-    msg = pb.JobSpec(**data, labels=labels)
-    if webhook_url:
-        inverse = _inverse(WEBHOOK_EVENTS)
-        msg.webhook.url = webhook_url
-        msg.webhook.events.extend(pb.WebhookEvent.ValueType(inverse[e]) for e in webhook_events)
+    msg = pb.JobSpec()
+    for f in SPEC_FIELDS:
+        value = getattr(spec, f.name)
+        if f.name == "labels":
+            msg.labels.update(value)
+        elif f.name in _WEBHOOK_FIELDS:
+            continue
+        elif f.kind == "choice":
+            setattr(msg, f.name, enum_numbers(f)[value])
+        elif f.kind == "texts":
+            getattr(msg, f.name).extend(value)
+        else:
+            setattr(msg, f.name, value)
+    if spec.webhook_url:
+        numbers = enum_numbers(SPEC_FIELD["webhook_events"])
+        msg.webhook.url = spec.webhook_url
+        msg.webhook.events.extend(
+            pb.WebhookEvent.ValueType(numbers[e]) for e in spec.webhook_events
+        )
     return msg
 
 

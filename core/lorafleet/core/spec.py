@@ -2,6 +2,13 @@
 
 The scheduler stores `JobSpec.to_dict()` in the ledger and hands workers the same explicit spec,
 so a worker never guesses a default. Field names equal the `lorafleet.jobs.v1.JobSpec` proto's.
+
+Each field is declared once, below, with `spec_field`: its default, its help, its bounds, whether
+it changes what is trained and the spec revision it appeared in. Everything else reads that
+declaration: the checks (`check_spec`), proto conversion (`serde.spec_from_proto` and
+`spec_to_proto`), the CLI's flags and help, the resume fingerprint's fields
+(`JobSpec.fingerprint_values`) and the README's table (a test compares them). Adding a plain
+field takes the proto field, its line here and the code that uses it.
 """
 
 from __future__ import annotations
@@ -9,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass
+from typing import Any, Literal, TypeVar, dataclass_transform, get_args, get_origin, overload
 
 from lorafleet.core.errors import InvalidArgument
 
@@ -42,68 +50,469 @@ _LABEL_KEY = re.compile(r"[a-z0-9_.\-]{1,63}")
 # Storage prefixes and file names: plain relative paths, no "." or ".." segments.
 _PATH_SEGMENT = re.compile(r"[A-Za-z0-9_.\-]{1,255}")
 
+# Revisions of the spec's field set, a field's `since`. 1: the fields of the first checkpoint
+# format. 2: the optimizer choice and Prodigy, DoRA, LoRA dropout, repeats, aspect-ratio
+# bucketing, output formats and the sample tasks' validation settings. 3: scale_lr.
+# A field that trains and came after revision 1 enters the resume fingerprint only when set
+# away from its default, so that a checkpoint written before it existed still resumes.
+SPEC_REVISION = 3
+
+FieldKind = Literal["bool", "int", "float", "text", "choice", "texts", "choices", "map"]
+_T = TypeVar("_T")
+
 
 @dataclass(frozen=True, kw_only=True)
+class SpecField:
+    """One JobSpec field as declared with `spec_field`; `SPEC_FIELDS` holds them all.
+
+    Bounds: `low`..`high` inclusive (`high` may name another field, e.g. max_train_steps), or
+    with `positive` greater than 0 and at most `high`; text: at most `max_chars`, or a storage
+    path with `path`; `required` refuses an empty text.
+    """
+
+    help: str
+    # Changes the trained weights: a checkpoint trained with another value does not resume.
+    trains: bool
+    since: int = 1
+    low: float | None = None
+    high: float | str | None = None
+    positive: bool = False
+    multiple_of: int | None = None
+    max_chars: int | None = None
+    path: bool = False
+    required: bool = False
+    # False where the help itself says the default (lora_alpha: the rank when unset).
+    show_default: bool = True
+    # The CLI flag, where it is not the field's name (labels and webhooks have flags of their
+    # own; the CLI builds those by hand).
+    flag: str = ""
+    # Filled in from the class by `_describe`.
+    name: str = ""
+    kind: FieldKind = "text"
+    choices: tuple[str, ...] = ()
+    has_default: bool = False
+    default: Any = None
+
+    @property
+    def shown_default(self) -> str | None:
+        """The default as help and docs show it; None where they show none."""
+        if not self.has_default or not self.show_default:
+            return None
+        value = self.default
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if value == "":
+            return "empty"
+        if isinstance(value, float):
+            return f"{value:g}"
+        if isinstance(value, (tuple, dict)):
+            return "none" if not value else str(value)
+        return str(value)
+
+    def check(self, value: Any, spec: JobSpec | None = None, *, name: str = "") -> None:
+        """The declared checks of one value; `name` reports it under another field name."""
+        name = name or self.name
+        if self.kind == "choice" and value not in self.choices:
+            raise InvalidArgument(
+                name,
+                f"unknown {name.replace('_', ' ')} {value!r} (use {', '.join(self.choices)})",
+            )
+        if self.kind == "text":
+            if self.path:
+                if value or self.required:
+                    check_path(name, value)
+            elif self.max_chars is not None:
+                _check_text(name, value, max_chars=self.max_chars, required=self.required)
+        if self.kind in ("int", "float") and self.high is not None:
+            high = float(getattr(spec, self.high) if isinstance(self.high, str) else self.high)
+            if self.positive:
+                _check_positive(name, value, high)
+            else:
+                assert self.low is not None
+                _check_range(name, value, self.low, high)
+            if self.multiple_of and value % self.multiple_of:
+                raise InvalidArgument(name, f"must be a multiple of {self.multiple_of}")
+
+
+@overload
+def spec_field(*, default: _T, help: str, trains: bool, **checks: Any) -> _T: ...
+@overload
+def spec_field(
+    *, default_factory: Callable[[], _T], help: str, trains: bool, **checks: Any
+) -> _T: ...
+@overload
+def spec_field(*, help: str, trains: bool, **checks: Any) -> Any: ...
+def spec_field(
+    *,
+    default: Any = dataclasses.MISSING,
+    default_factory: Any = dataclasses.MISSING,
+    help: str,
+    trains: bool,
+    **checks: Any,
+) -> Any:
+    """A JobSpec field: its default and its `SpecField` declaration (help, bounds, ...)."""
+    info = SpecField(help=help, trains=trains, **checks)
+    return dataclasses.field(
+        default=default, default_factory=default_factory, metadata={"spec": info}
+    )
+
+
+@dataclass_transform(frozen_default=True, kw_only_default=True, field_specifiers=(spec_field,))
+def _spec_class(cls: type[_T]) -> type[_T]:
+    return dataclass(frozen=True, kw_only=True)(cls)
+
+
+@_spec_class
 class JobSpec:
-    instance_prompt: str
-    instance_data_prefix: str
-    max_train_steps: int
-    class_prompt: str = ""
-    class_data_prefix: str = ""
-    with_prior_preservation: bool = False
-    prior_loss_weight: float = 1.0
-    num_class_images: int = 100
-    learning_rate: float = 1e-4
-    train_text_encoder: bool = False
-    text_encoder_learning_rate: float = 5e-6
-    lr_scheduler: LrSchedulerName = "constant"
-    lr_warmup_steps: int = 0
-    lr_num_cycles: int = 1
-    lr_power: float = 1.0
-    train_batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = False
-    use_8bit_adam: bool = False
-    mixed_precision: MixedPrecisionName = "no"
-    resolution: int = 1024
-    center_crop: bool = False
-    random_flip: bool = False
-    lora_rank: int = 4
-    lora_alpha: float = 4.0
-    snr_gamma: float = 0.0
-    noise_offset: float = 0.0
-    caption_mode: CaptionModeName = "file_else_prompt"
-    checkpointing_steps: int = 100
-    validation_prompt: str = ""
-    validation_steps: int = 0
-    seed: int = 0
-    base_model: str = DEFAULT_BASE_MODEL
-    vae_model: str = ""
-    min_vram_mb: int = 0
-    priority: int = 0
-    max_failures: int = 3
-    labels: Mapping[str, str] = field(default_factory=dict)
-    webhook_url: str = ""
-    webhook_events: tuple[WebhookEventName, ...] = ()
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_weight_decay: float = 1e-4
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    optimizer: OptimizerName = "adamw"
-    prodigy_d_coef: float = 1.0
-    prodigy_safeguard_warmup: bool = True
-    prodigy_use_bias_correction: bool = True
-    use_dora: bool = False
-    lora_dropout: float = 0.0
-    repeats: int = 1
-    aspect_ratio_bucketing: bool = False
-    output_format: OutputFormatName = "diffusers"
-    validation_prompts: tuple[str, ...] = ()
-    validation_negative_prompt: str = ""
-    validation_guidance_scale: float = 5.0
-    validation_inference_steps: int = 30
-    num_validation_images: int = 4
+    instance_prompt: str = spec_field(
+        help="the prompt with the rare token, e.g. 'a photo of sks dog' (required)",
+        trains=True,
+        max_chars=MAX_PROMPT_CHARS,
+        required=True,
+    )
+    instance_data_prefix: str = spec_field(
+        help="storage prefix holding the images (set by --images/--images-zip/--images-url)",
+        trains=False,
+        path=True,
+        required=True,
+    )
+    class_prompt: str = spec_field(
+        default="",
+        help="e.g. 'a photo of a dog'; required with --with-prior-preservation",
+        trains=True,
+        max_chars=MAX_PROMPT_CHARS,
+    )
+    class_data_prefix: str = spec_field(
+        default="",
+        help="storage prefix of class images; empty: generate them with the base model",
+        trains=False,
+        path=True,
+    )
+    with_prior_preservation: bool = spec_field(
+        default=False, help="train on class images too, against language drift", trains=True
+    )
+    prior_loss_weight: float = spec_field(
+        default=1.0,
+        help="weight of the prior-preservation loss",
+        trains=True,
+        positive=True,
+        high=100.0,
+    )
+    num_class_images: int = spec_field(
+        default=100,
+        help="class images to use (generated when missing)",
+        trains=True,
+        low=1,
+        high=10_000,
+    )
+    max_train_steps: int = spec_field(
+        help="optimizer steps, 1..100000 (required)", trains=True, low=1, high=MAX_TRAIN_STEPS
+    )
+    learning_rate: float = spec_field(
+        default=1e-4,
+        help="UNet LoRA learning rate (> 0; with prodigy use 1.0)",
+        trains=True,
+        positive=True,
+        high=1.0,
+    )
+    train_text_encoder: bool = spec_field(
+        default=False, help="train LoRAs on both text encoders too", trains=True
+    )
+    text_encoder_learning_rate: float = spec_field(
+        default=5e-6,
+        help="text encoders' learning rate (> 0)",
+        trains=True,
+        positive=True,
+        high=1.0,
+    )
+    lr_scheduler: LrSchedulerName = spec_field(
+        default="constant", help="learning-rate schedule", trains=True
+    )
+    lr_warmup_steps: int = spec_field(
+        default=0,
+        help="warmup steps, 0..max-train-steps",
+        trains=True,
+        low=0,
+        high="max_train_steps",
+    )
+    lr_num_cycles: int = spec_field(
+        default=1, help="cycles of cosine_with_restarts", trains=True, low=1, high=1_000
+    )
+    lr_power: float = spec_field(
+        default=1.0,
+        help="power of the polynomial schedule",
+        trains=True,
+        positive=True,
+        high=100.0,
+    )
+    train_batch_size: int = spec_field(
+        default=1, help="images per step, 1..64", trains=True, low=1, high=64
+    )
+    gradient_accumulation_steps: int = spec_field(
+        default=1,
+        help="micro-batches per optimizer step, 1..1024",
+        trains=True,
+        low=1,
+        high=1_024,
+    )
+    gradient_checkpointing: bool = spec_field(
+        default=False, help="recompute activations to save memory (slower)", trains=True
+    )
+    use_8bit_adam: bool = spec_field(
+        default=False,
+        help="bitsandbytes AdamW8bit (CUDA only); same as --optimizer adamw_8bit",
+        trains=True,
+    )
+    mixed_precision: MixedPrecisionName = spec_field(
+        default="no", help="no, fp16 or bf16", trains=True
+    )
+    resolution: int = spec_field(
+        default=1024,
+        help="square training resolution in pixels, a multiple of 8, 64..2048",
+        trains=True,
+        low=64,
+        high=2_048,
+        multiple_of=8,
+    )
+    center_crop: bool = spec_field(
+        default=False, help="center-crop instead of a random crop", trains=True
+    )
+    random_flip: bool = spec_field(
+        default=False, help="flip images horizontally at random", trains=True
+    )
+    lora_rank: int = spec_field(default=4, help="LoRA rank, 1..256", trains=True, low=1, high=256)
+    # An unset proto lora_alpha follows the rank (serde); 4.0 is the default rank's.
+    lora_alpha: float = spec_field(
+        default=4.0,
+        help="LoRA alpha (> 0; default: equal to the rank)",
+        trains=True,
+        positive=True,
+        high=4_096.0,
+        show_default=False,
+    )
+    snr_gamma: float = spec_field(
+        default=0.0,
+        help="min-SNR weighting gamma (5.0 is the usual value); 0 turns it off",
+        trains=True,
+        low=0.0,
+        high=100.0,
+    )
+    noise_offset: float = spec_field(
+        default=0.0, help="noise offset, 0..1; 0 turns it off", trains=True, low=0.0, high=1.0
+    )
+    caption_mode: CaptionModeName = spec_field(
+        default="file_else_prompt",
+        help="file_else_prompt: name.txt beside an image, else the instance prompt;"
+        " instance_prompt: always the prompt",
+        trains=True,
+    )
+    checkpointing_steps: int = spec_field(
+        default=100,
+        help="steps between checkpoints",
+        trains=False,
+        low=1,
+        high=MAX_TRAIN_STEPS,
+    )
+    validation_prompt: str = spec_field(
+        default="",
+        help="prompt for validation images (made by sample tasks on the fleet, never inside the"
+        " training run)",
+        trains=False,
+        max_chars=MAX_PROMPT_CHARS,
+    )
+    validation_steps: int = spec_field(
+        default=0,
+        help="a sample task for each checkpoint at a multiple of this step; 0: only for the"
+        " result (with a prompt)",
+        trains=False,
+        low=0,
+        high=MAX_TRAIN_STEPS,
+    )
+    seed: int = spec_field(
+        default=0, help="random seed, 0..2^32-1", trains=True, low=0, high=2**32 - 1
+    )
+    base_model: str = spec_field(
+        default=DEFAULT_BASE_MODEL,
+        help="SDXL base model: a hub id, or a local folder (absolute, ./ or ../; the demo's tiny"
+        " CPU model is .lorafleet/demo-model)",
+        trains=True,
+        max_chars=MAX_MODEL_REF_CHARS,
+        required=True,
+    )
+    vae_model: str = spec_field(
+        default="",
+        help="a separate VAE (folder or hub id); empty: the base model's",
+        trains=True,
+        max_chars=MAX_MODEL_REF_CHARS,
+    )
+    min_vram_mb: int = spec_field(
+        default=0,
+        help="only machines with at least this much accelerator memory",
+        trains=False,
+        low=0,
+        high=1_048_576,
+    )
+    priority: int = spec_field(
+        default=0, help="-100..100, higher first", trains=False, low=-100, high=100
+    )
+    max_failures: int = spec_field(
+        default=3,
+        help="node and internal failures tolerated before the job fails, 1..100",
+        trains=False,
+        low=1,
+        high=100,
+    )
+    # Checked in check_spec (keys and values); the proto's `labels` map.
+    labels: Mapping[str, str] = spec_field(
+        default_factory=dict,
+        help="a label (repeatable)",
+        trains=False,
+        show_default=False,
+        flag="--label",
+    )
+    # The proto's `webhook` message: url and events.
+    webhook_url: str = spec_field(
+        default="",
+        help="POST signed notifications here (default: the API key's, if any)",
+        trains=False,
+        show_default=False,
+    )
+    webhook_events: tuple[WebhookEventName, ...] = spec_field(
+        default=(),
+        help="an event to notify (repeatable; default: all)",
+        trains=False,
+        show_default=False,
+        flag="--webhook-event",
+    )
+    adam_beta1: float = spec_field(
+        default=0.9, help="AdamW beta1, 0..0.999999", trains=True, low=0.0, high=0.999_999
+    )
+    adam_beta2: float = spec_field(
+        default=0.999, help="AdamW beta2, 0..0.9999999", trains=True, low=0.0, high=0.999_999_9
+    )
+    adam_weight_decay: float = spec_field(
+        default=1e-4,
+        help="decoupled weight decay, 0..10 (diffusers' DreamBooth-LoRA script's default 1e-4;"
+        " torch's AdamW default is 1e-2)",
+        trains=True,
+        low=0.0,
+        high=10.0,
+    )
+    adam_epsilon: float = spec_field(
+        default=1e-8, help="AdamW epsilon (> 0)", trains=True, positive=True, high=1.0
+    )
+    max_grad_norm: float = spec_field(
+        default=1.0, help="gradient clipping norm (> 0)", trains=True, positive=True, high=1e6
+    )
+    optimizer: OptimizerName = spec_field(
+        default="adamw",
+        help="adamw, adamw_8bit (CUDA, bitsandbytes) or prodigy (prodigyopt; learns its own step"
+        " size: use --learning-rate 1.0)",
+        trains=True,
+        since=2,
+    )
+    prodigy_d_coef: float = spec_field(
+        default=1.0,
+        help="Prodigy: scales the learned step size (0.5 is gentler)",
+        trains=True,
+        since=2,
+        positive=True,
+        high=1_000.0,
+    )
+    prodigy_safeguard_warmup: bool = spec_field(
+        default=True,
+        help="Prodigy: keep the step size from growing during LR warmup",
+        trains=True,
+        since=2,
+    )
+    prodigy_use_bias_correction: bool = spec_field(
+        default=True, help="Prodigy: Adam-style bias correction", trains=True, since=2
+    )
+    use_dora: bool = spec_field(
+        default=False,
+        help="train weight-decomposed LoRA (DoRA) adapters instead of plain LoRA",
+        trains=True,
+        since=2,
+    )
+    lora_dropout: float = spec_field(
+        default=0.0,
+        help="dropout probability on the LoRA adapters' input, 0..0.9",
+        trains=True,
+        since=2,
+        low=0.0,
+        high=0.9,
+    )
+    repeats: int = spec_field(
+        default=1,
+        help="times each instance image appears per epoch",
+        trains=True,
+        since=2,
+        low=1,
+        high=1_000,
+    )
+    aspect_ratio_bucketing: bool = spec_field(
+        default=False,
+        help="keep each image's aspect ratio: train it in the bucket nearest its aspect (sides"
+        " multiples of 64, at most resolution x resolution pixels), one bucket a batch; off crops"
+        " every image to a resolution square",
+        trains=True,
+        since=2,
+    )
+    # Which files the result is written as, not what is trained.
+    output_format: OutputFormatName = spec_field(
+        default="diffusers",
+        help="diffusers (pytorch_lora_weights.safetensors), kohya"
+        " (pytorch_lora_weights_kohya.safetensors, for ComfyUI/A1111/kohya) or both;"
+        " `lorafleet download --format` picks one",
+        trains=False,
+        since=2,
+    )
+    scale_lr: bool = spec_field(
+        default=False,
+        help="multiply --learning-rate by train-batch-size x gradient-accumulation-steps"
+        " (diffusers' --scale_lr; the text encoders' rate is not scaled)",
+        trains=True,
+        since=3,
+    )
+    # Checked in check_spec, with validation_prompt (at most MAX_SAMPLE_PROMPTS in all).
+    validation_prompts: tuple[str, ...] = spec_field(
+        default=(),
+        help="more validation prompts (repeatable; after --validation-prompt)",
+        trains=False,
+        since=2,
+        show_default=False,
+    )
+    validation_negative_prompt: str = spec_field(
+        default="",
+        help="negative prompt of validation images",
+        trains=False,
+        since=2,
+        max_chars=MAX_PROMPT_CHARS,
+    )
+    validation_guidance_scale: float = spec_field(
+        default=5.0,
+        help="classifier-free guidance of validation images, 0..50",
+        trains=False,
+        since=2,
+        low=0.0,
+        high=50.0,
+    )
+    validation_inference_steps: int = spec_field(
+        default=30,
+        help="denoising steps of validation images, 1..200",
+        trains=False,
+        since=2,
+        low=1,
+        high=200,
+    )
+    num_validation_images: int = spec_field(
+        default=4,
+        help="validation images per prompt and step, 1..16",
+        trains=False,
+        since=2,
+        low=1,
+        high=MAX_SAMPLE_IMAGES,
+    )
 
     def __post_init__(self) -> None:
         check_spec(self)
@@ -111,9 +520,11 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form stored in the ledger."""
         out = dataclasses.asdict(self)
-        out["labels"] = dict(self.labels)
-        out["webhook_events"] = list(self.webhook_events)
-        out["validation_prompts"] = list(self.validation_prompts)
+        for name, value in out.items():
+            if isinstance(value, tuple):
+                out[name] = list(value)
+            elif isinstance(value, Mapping):
+                out[name] = dict(value)
         return out
 
     def for_worker(self) -> JobSpec:
@@ -128,16 +539,72 @@ class JobSpec:
         head = (self.validation_prompt,) if self.validation_prompt else ()
         return head + tuple(self.validation_prompts)
 
+    def fingerprint_values(self, first_revision: int = 1) -> dict[str, Any]:
+        """The values a checkpoint's resume fingerprint covers: the fields that train, those
+        added after `first_revision` (the revision the fingerprint's format began with) only
+        when set away from their default, so checkpoints older than a field keep resuming."""
+        values = self.to_dict()
+        return {
+            f.name: values[f.name]
+            for f in SPEC_FIELDS
+            if f.trains and (f.since <= first_revision or getattr(self, f.name) != f.default)
+        }
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
         """Inverse of `to_dict`; unknown keys (from a newer version) are ignored."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in names}
-        if "webhook_events" in kwargs:
-            kwargs["webhook_events"] = tuple(kwargs["webhook_events"])
-        if "validation_prompts" in kwargs:
-            kwargs["validation_prompts"] = tuple(kwargs["validation_prompts"])
+        kwargs = {k: v for k, v in data.items() if k in SPEC_FIELD}
+        for name, value in kwargs.items():
+            if SPEC_FIELD[name].kind in ("texts", "choices"):
+                kwargs[name] = tuple(value)
         return cls(**kwargs)
+
+
+_KINDS: dict[Any, FieldKind] = {bool: "bool", int: "int", float: "float", str: "text"}
+
+
+def _describe(cls: type[JobSpec]) -> tuple[SpecField, ...]:
+    """Each field's declaration, completed with its name, kind, choices and default."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        origin, args = get_origin(hint), get_args(hint)
+        kind: FieldKind
+        choices: tuple[str, ...] = ()
+        if origin is Literal:
+            kind, choices = "choice", args
+        elif origin is tuple:
+            item = args[0]
+            if get_origin(item) is Literal:
+                kind, choices = "choices", get_args(item)
+            else:
+                kind = "texts"
+        elif origin is Mapping:
+            kind = "map"
+        else:
+            kind = _KINDS[hint]
+        default: Any = None
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        out.append(
+            dataclasses.replace(
+                f.metadata["spec"],
+                name=f.name,
+                kind=kind,
+                choices=choices,
+                has_default=(f.default, f.default_factory) != (MISSING, MISSING),
+                default=default,
+                flag=f.metadata["spec"].flag or "--" + f.name.replace("_", "-"),
+            )
+        )
+    return tuple(out)
+
+
+SPEC_FIELDS = _describe(JobSpec)
+SPEC_FIELD = {f.name: f for f in SPEC_FIELDS}
 
 
 def check_path(field_name: str, value: str, *, max_chars: int = MAX_PREFIX_CHARS) -> None:
@@ -177,46 +644,13 @@ def _check_positive(field_name: str, value: float, high: float) -> None:
 
 
 def check_spec(spec: JobSpec) -> None:
-    """Raises InvalidArgument naming the first bad field. Pure: touches no storage."""
-    _check_text("instance_prompt", spec.instance_prompt, max_chars=MAX_PROMPT_CHARS, required=True)
-    check_path("instance_data_prefix", spec.instance_data_prefix)
-    _check_text("class_prompt", spec.class_prompt, max_chars=MAX_PROMPT_CHARS)
-    if spec.class_data_prefix:
-        check_path("class_data_prefix", spec.class_data_prefix)
+    """Raises InvalidArgument naming the first bad field. Pure: touches no storage.
+
+    Each field's declared checks in turn, then what spans fields or items."""
+    for f in SPEC_FIELDS:
+        f.check(getattr(spec, f.name), spec)
     if spec.with_prior_preservation and not spec.class_prompt.strip():
         raise InvalidArgument("class_prompt", "is required with prior preservation")
-    _check_positive("prior_loss_weight", spec.prior_loss_weight, 100.0)
-    _check_range("num_class_images", spec.num_class_images, 1, 10_000)
-    _check_range("max_train_steps", spec.max_train_steps, 1, MAX_TRAIN_STEPS)
-    _check_positive("learning_rate", spec.learning_rate, 1.0)
-    _check_positive("text_encoder_learning_rate", spec.text_encoder_learning_rate, 1.0)
-    if spec.lr_scheduler not in get_args(LrSchedulerName):
-        raise InvalidArgument("lr_scheduler", f"unknown scheduler {spec.lr_scheduler!r}")
-    _check_range("lr_warmup_steps", spec.lr_warmup_steps, 0, spec.max_train_steps)
-    _check_range("lr_num_cycles", spec.lr_num_cycles, 1, 1_000)
-    _check_positive("lr_power", spec.lr_power, 100.0)
-    _check_range("train_batch_size", spec.train_batch_size, 1, 64)
-    _check_range("gradient_accumulation_steps", spec.gradient_accumulation_steps, 1, 1_024)
-    if spec.mixed_precision not in get_args(MixedPrecisionName):
-        raise InvalidArgument("mixed_precision", f"unknown precision {spec.mixed_precision!r}")
-    _check_range("resolution", spec.resolution, 64, 2_048)
-    if spec.resolution % 8:
-        raise InvalidArgument("resolution", "must be a multiple of 8")
-    _check_range("lora_rank", spec.lora_rank, 1, 256)
-    _check_positive("lora_alpha", spec.lora_alpha, 4_096.0)
-    _check_range("snr_gamma", spec.snr_gamma, 0.0, 100.0)
-    _check_range("noise_offset", spec.noise_offset, 0.0, 1.0)
-    if spec.caption_mode not in get_args(CaptionModeName):
-        raise InvalidArgument("caption_mode", f"unknown caption mode {spec.caption_mode!r}")
-    _check_range("checkpointing_steps", spec.checkpointing_steps, 1, MAX_TRAIN_STEPS)
-    _check_text("validation_prompt", spec.validation_prompt, max_chars=MAX_PROMPT_CHARS)
-    _check_range("validation_steps", spec.validation_steps, 0, MAX_TRAIN_STEPS)
-    _check_range("seed", spec.seed, 0, 2**32 - 1)
-    _check_text("base_model", spec.base_model, max_chars=MAX_MODEL_REF_CHARS, required=True)
-    _check_text("vae_model", spec.vae_model, max_chars=MAX_MODEL_REF_CHARS)
-    _check_range("min_vram_mb", spec.min_vram_mb, 0, 1_048_576)
-    _check_range("priority", spec.priority, -100, 100)
-    _check_range("max_failures", spec.max_failures, 1, 100)
     if len(spec.labels) > MAX_LABELS:
         raise InvalidArgument("labels", f"at most {MAX_LABELS} labels")
     for key, value in spec.labels.items():
@@ -232,45 +666,26 @@ def check_spec(spec: JobSpec) -> None:
     for event in spec.webhook_events:
         if event not in get_args(WebhookEventName):
             raise InvalidArgument("webhook.events", f"unknown event {event!r}")
-    _check_range("adam_beta1", spec.adam_beta1, 0.0, 0.999_999)
-    _check_range("adam_beta2", spec.adam_beta2, 0.0, 0.999_999_9)
-    _check_range("adam_weight_decay", spec.adam_weight_decay, 0.0, 10.0)
-    _check_positive("adam_epsilon", spec.adam_epsilon, 1.0)
-    _check_positive("max_grad_norm", spec.max_grad_norm, 1e6)
-    if spec.optimizer not in get_args(OptimizerName):
-        raise InvalidArgument(
-            "optimizer",
-            f"unknown optimizer {spec.optimizer!r} (use {', '.join(get_args(OptimizerName))})",
-        )
     if spec.use_8bit_adam and spec.optimizer == "prodigy":
         raise InvalidArgument(
             "use_8bit_adam", "is an AdamW option; it cannot be combined with optimizer prodigy"
-        )
-    _check_positive("prodigy_d_coef", spec.prodigy_d_coef, 1_000.0)
-    _check_range("lora_dropout", spec.lora_dropout, 0.0, 0.9)
-    _check_range("repeats", spec.repeats, 1, 1_000)
-    if spec.output_format not in get_args(OutputFormatName):
-        raise InvalidArgument(
-            "output_format",
-            f"unknown output format {spec.output_format!r}"
-            f" (use {', '.join(get_args(OutputFormatName))})",
         )
     if spec.output_format != "diffusers" and spec.use_dora:
         raise InvalidArgument(
             "output_format", "the kohya format holds no DoRA adapters; use diffusers with use_dora"
         )
-    check_sample_settings(
-        prompts=spec.validation_prompts,
-        negative_prompt=spec.validation_negative_prompt,
-        guidance_scale=spec.validation_guidance_scale,
-        inference_steps=spec.validation_inference_steps,
-        num_images=spec.num_validation_images,
-        prefix="validation_",
-    )
+    _check_prompts("validation_prompts", spec.validation_prompts)
     if len(spec.sample_prompts) > MAX_SAMPLE_PROMPTS:
         raise InvalidArgument(
             "validation_prompts", f"at most {MAX_SAMPLE_PROMPTS} prompts with validation_prompt"
         )
+
+
+def _check_prompts(field_name: str, prompts: tuple[str, ...]) -> None:
+    if len(prompts) > MAX_SAMPLE_PROMPTS:
+        raise InvalidArgument(field_name, f"at most {MAX_SAMPLE_PROMPTS} prompts")
+    for i, prompt in enumerate(prompts):
+        _check_text(f"{field_name}[{i}]", prompt, max_chars=MAX_PROMPT_CHARS, required=True)
 
 
 def check_sample_settings(
@@ -282,13 +697,13 @@ def check_sample_settings(
     num_images: int,
     prefix: str,
 ) -> None:
-    """Validation images' settings, in a job spec (`prefix` "validation_") or a request."""
-    if len(prompts) > MAX_SAMPLE_PROMPTS:
-        raise InvalidArgument(f"{prefix}prompts", f"at most {MAX_SAMPLE_PROMPTS} prompts")
-    for i, prompt in enumerate(prompts):
-        _check_text(f"{prefix}prompts[{i}]", prompt, max_chars=MAX_PROMPT_CHARS, required=True)
-    _check_text(f"{prefix}negative_prompt", negative_prompt, max_chars=MAX_PROMPT_CHARS)
-    _check_range(f"{prefix}guidance_scale", guidance_scale, 0.0, 50.0)
-    _check_range(f"{prefix}inference_steps", inference_steps, 1, 200)
-    name = "num_validation_images" if prefix == "validation_" else f"{prefix}num_images"
-    _check_range(name, num_images, 1, MAX_SAMPLE_IMAGES)
+    """Validation images' settings of a request (`prefix` names its fields), with the bounds
+    of the job spec's validation fields."""
+    _check_prompts(f"{prefix}prompts", prompts)
+    for spec_name, value, name in (
+        ("validation_negative_prompt", negative_prompt, f"{prefix}negative_prompt"),
+        ("validation_guidance_scale", guidance_scale, f"{prefix}guidance_scale"),
+        ("validation_inference_steps", inference_steps, f"{prefix}inference_steps"),
+        ("num_validation_images", num_images, f"{prefix}num_images"),
+    ):
+        SPEC_FIELD[spec_name].check(value, name=name)

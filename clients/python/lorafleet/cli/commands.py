@@ -1,8 +1,9 @@
 """The user-facing job commands: submit, watch, list, get, cancel, events, download.
 
 Every JobSpec field is a flag (`--learning-rate 2e-4`, `--train-text-encoder`,
-`--label team=a`), derived from the proto so that no option can be forgotten; a YAML or JSON
-file (`--spec job.yaml`) gives the same fields, and flags override it.
+`--label team=a`), built from its declaration in core/spec.py (type, choices, help, default) so
+that no option can be forgotten; a YAML or JSON file (`--spec job.yaml`) gives the same fields,
+and flags override it.
 """
 
 from __future__ import annotations
@@ -29,119 +30,15 @@ from lorafleet.client.api import build_spec
 from lorafleet.client.dataset import TrainingFile, fetch_zip, read_folder, read_zip
 from lorafleet.core.errors import InvalidArgument
 from lorafleet.core.model import RESULT_FILE_NAMES, Job, JobEvent, JobState, result_format
-from lorafleet.core.spec import JobSpec
+from lorafleet.core.spec import SPEC_FIELD, SPEC_FIELDS, JobSpec, SpecField
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 
-_ENUM_FIELDS = {
-    "lr_scheduler": [
-        "constant",
-        "constant_with_warmup",
-        "linear",
-        "cosine",
-        "cosine_with_restarts",
-        "polynomial",
-    ],
-    "mixed_precision": ["no", "fp16", "bf16"],
-    "caption_mode": ["file_else_prompt", "instance_prompt"],
-    "optimizer": ["adamw", "adamw_8bit", "prodigy"],
-    "output_format": ["diffusers", "kohya", "both"],
-}
-# Help for every spec field; `add_spec_flags` appends each one's default from JobSpec.
-_SPEC_HELP = {
-    "instance_prompt": "the prompt with the rare token, e.g. 'a photo of sks dog' (required)",
-    "instance_data_prefix": "storage prefix holding the images (set by --images/--images-zip/"
-    "--images-url)",
-    "class_prompt": "e.g. 'a photo of a dog'; required with --with-prior-preservation",
-    "class_data_prefix": "storage prefix of class images; empty: generate them with the base model",
-    "with_prior_preservation": "train on class images too, against language drift",
-    "prior_loss_weight": "weight of the prior-preservation loss",
-    "num_class_images": "class images to use (generated when missing)",
-    "max_train_steps": "optimizer steps, 1..100000 (required)",
-    "learning_rate": "UNet LoRA learning rate (> 0; with prodigy use 1.0)",
-    "train_text_encoder": "train LoRAs on both text encoders too",
-    "text_encoder_learning_rate": "text encoders' learning rate (> 0)",
-    "lr_scheduler": "learning-rate schedule",
-    "lr_warmup_steps": "warmup steps, 0..max-train-steps",
-    "lr_num_cycles": "cycles of cosine_with_restarts",
-    "lr_power": "power of the polynomial schedule",
-    "train_batch_size": "images per step, 1..64",
-    "gradient_accumulation_steps": "micro-batches per optimizer step, 1..1024",
-    "gradient_checkpointing": "recompute activations to save memory (slower)",
-    "use_8bit_adam": "bitsandbytes AdamW8bit (CUDA only); same as --optimizer adamw_8bit",
-    "mixed_precision": "no, fp16 or bf16",
-    "resolution": "square training resolution in pixels, a multiple of 8, 64..2048",
-    "center_crop": "center-crop instead of a random crop",
-    "random_flip": "flip images horizontally at random",
-    "lora_rank": "LoRA rank, 1..256",
-    "lora_alpha": "LoRA alpha (> 0; default: equal to the rank)",
-    "snr_gamma": "min-SNR weighting gamma (5.0 is the usual value); 0 turns it off",
-    "noise_offset": "noise offset, 0..1; 0 turns it off",
-    "caption_mode": "file_else_prompt: name.txt beside an image, else the instance prompt;"
-    " instance_prompt: always the prompt",
-    "checkpointing_steps": "steps between checkpoints",
-    "validation_prompt": "prompt for validation images (made by sample tasks on the fleet, never"
-    " inside the training run)",
-    "validation_steps": "a sample task for each checkpoint at a multiple of this step; 0: only"
-    " for the result (with a prompt)",
-    "validation_prompts": "more validation prompts (repeatable; after --validation-prompt)",
-    "validation_negative_prompt": "negative prompt of validation images",
-    "validation_guidance_scale": "classifier-free guidance of validation images, 0..50",
-    "validation_inference_steps": "denoising steps of validation images, 1..200",
-    "num_validation_images": "validation images per prompt and step, 1..16",
-    "seed": "random seed, 0..2^32-1",
-    "base_model": "SDXL base model: a hub id, or a local folder (absolute, ./ or ../; the demo's"
-    " tiny CPU model is .lorafleet/demo-model)",
-    "vae_model": "a separate VAE (folder or hub id); empty: the base model's",
-    "min_vram_mb": "only machines with at least this much accelerator memory",
-    "priority": "-100..100, higher first",
-    "max_failures": "node and internal failures tolerated before the job fails, 1..100",
-    "adam_beta1": "AdamW beta1, 0..0.999999",
-    "adam_beta2": "AdamW beta2, 0..0.9999999",
-    "adam_weight_decay": "decoupled weight decay, 0..10 (diffusers' DreamBooth-LoRA script's"
-    " default 1e-4; torch's AdamW default is 1e-2)",
-    "adam_epsilon": "AdamW epsilon (> 0)",
-    "max_grad_norm": "gradient clipping norm (> 0)",
-    "optimizer": "adamw, adamw_8bit (CUDA, bitsandbytes) or prodigy (prodigyopt;"
-    " learns its own step size: use --learning-rate 1.0)",
-    "prodigy_d_coef": "Prodigy: scales the learned step size (0.5 is gentler)",
-    "prodigy_safeguard_warmup": "Prodigy: keep the step size from growing during LR warmup",
-    "prodigy_use_bias_correction": "Prodigy: Adam-style bias correction",
-    "use_dora": "train weight-decomposed LoRA (DoRA) adapters instead of plain LoRA",
-    "lora_dropout": "dropout probability on the LoRA adapters' input, 0..0.9",
-    "repeats": "times each instance image appears per epoch",
-    "aspect_ratio_bucketing": "keep each image's aspect ratio: train it in the bucket nearest"
-    " its aspect (sides multiples of 64, at most resolution x resolution pixels), one bucket a"
-    " batch; off crops every image to a resolution square",
-    "output_format": "diffusers (pytorch_lora_weights.safetensors), kohya"
-    " (pytorch_lora_weights_kohya.safetensors, for ComfyUI/A1111/kohya) or both;"
-    " `lorafleet download --format` picks one",
-}
-_NO_DEFAULT = (
-    "instance_prompt",
-    "instance_data_prefix",
-    "max_train_steps",
-    "lora_alpha",
-    "validation_prompts",
-)
 
-
-def _spec_help(name: str) -> str:
-    text = _SPEC_HELP[name]
-    if name in _NO_DEFAULT:
-        return text
-    default = _SPEC_DEFAULTS[name]
-    if isinstance(default, bool):
-        shown = "on" if default else "off"
-    elif default == "":
-        shown = "empty"
-    else:
-        shown = f"{default:g}" if isinstance(default, float) else str(default)
-    return f"{text} (default: {shown})".replace("%", "%%")
-
-
-_SPEC_DEFAULTS = {
-    f.name: f.default for f in dataclasses.fields(JobSpec) if f.default is not dataclasses.MISSING
-}
+def _spec_help(f: SpecField) -> str:
+    """A flag's help: the field's declared help and its default."""
+    shown = f.shown_default
+    text = f.help if shown is None else f"{f.help} (default: {shown})"
+    return text.replace("%", "%%")
 
 
 # The client commands: each talks to a scheduler over gRPC and imports no service.
@@ -168,18 +65,18 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_spec_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per JobSpec field, from its declaration in core/spec.py: type, choices, help."""
     group = parser.add_argument_group("job spec (any field of lorafleet.jobs.v1.JobSpec)")
-    for field in pb.JobSpec.DESCRIPTOR.fields:
-        flag = "--" + field.name.replace("_", "-")
-        if field.name in ("labels", "webhook"):
-            continue
-        dest, help_text = f"spec_{field.name}", _spec_help(field.name)
-        if field.name in _ENUM_FIELDS:
-            group.add_argument(flag, dest=dest, choices=_ENUM_FIELDS[field.name], help=help_text)
-        elif field.is_repeated:
+    for f in SPEC_FIELDS:
+        if f.name in ("labels", "webhook_url", "webhook_events"):
+            continue  # their own flags, after the loop
+        flag, dest, help_text = f.flag, f"spec_{f.name}", _spec_help(f)
+        if f.kind == "choice":
+            group.add_argument(flag, dest=dest, choices=f.choices, help=help_text)
+        elif f.kind == "texts":
             # e.g. --validation-prompts "..." --validation-prompts "...": once per value.
             group.add_argument(flag, dest=dest, action="append", metavar="TEXT", help=help_text)
-        elif field.type == field.TYPE_BOOL:
+        elif f.kind == "bool":
             group.add_argument(
                 flag,
                 dest=dest,
@@ -187,24 +84,23 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
                 default=None,
                 help=help_text,
             )
-        elif field.type in (field.TYPE_INT32, field.TYPE_INT64):
+        elif f.kind == "int":
             group.add_argument(flag, dest=dest, type=int, metavar="N", help=help_text)
-        elif field.type in (field.TYPE_DOUBLE, field.TYPE_FLOAT):
+        elif f.kind == "float":
             group.add_argument(flag, dest=dest, type=float, metavar="X", help=help_text)
         else:
             group.add_argument(flag, dest=dest, metavar="TEXT", help=help_text)
+    labels, url, events = (SPEC_FIELD[n] for n in ("labels", "webhook_url", "webhook_events"))
     group.add_argument(
-        "--label", action="append", default=[], metavar="KEY=VALUE", help="a label (repeatable)"
+        labels.flag, action="append", default=[], metavar="KEY=VALUE", help=_spec_help(labels)
     )
+    group.add_argument(url.flag, help=_spec_help(url))
     group.add_argument(
-        "--webhook-url", help="POST signed notifications here (default: the API key's, if any)"
-    )
-    group.add_argument(
-        "--webhook-event",
+        events.flag,
         action="append",
         default=[],
-        choices=["checkpoint", "succeeded", "failed", "canceled", "samples"],
-        help="an event to notify (repeatable; default: all)",
+        choices=events.choices,
+        help=_spec_help(events),
     )
 
 

@@ -50,6 +50,7 @@ from lorafleet.core.model import Checkpoint, Job, JobEvent, JobState, result_for
 from lorafleet.core.serde import (
     JOB_STATES,
     checkpoint_from_proto,
+    enum_prefix,
     event_from_proto,
     job_from_proto,
     spec_from_proto,
@@ -173,12 +174,8 @@ def build_spec(spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any) -
     return msg
 
 
-def _camel_to_upper(name: str) -> str:
-    return "".join(f"_{c}" if c.isupper() and i else c for i, c in enumerate(name)).upper()
-
-
 def _enum_number(enum: Any, value: str) -> int | None:
-    wanted = f"{_camel_to_upper(enum.name)}_{value}".upper()
+    wanted = f"{enum_prefix(enum)}{value}".upper()
     for v in enum.values:
         if v.name == wanted and v.number != 0:
             return int(v.number)

@@ -58,7 +58,6 @@ from lorafleet.worker.training import (
     TrainingOutcome,
     TrainingSnapshot,
 )
-from lorafleet.worker.training.loop import _NOT_TRAINING_FIELDS
 from lorafleet.worker.training.serialization import safetensors_bytes
 
 # Weights a step touches.
@@ -76,7 +75,9 @@ def _weights_count(checkpoint_bytes: int) -> int:
 
 def simulated_fingerprint(spec: JobSpec, instance_images: Sequence[TrainingImage]) -> str:
     """What a checkpoint was trained on: weight-relevant spec fields and the instance images."""
-    fields = {k: v for k, v in spec.to_dict().items() if k not in _NOT_TRAINING_FIELDS}
+    # This format began at spec revision 2: the fields of revision 2 always count, later
+    # ones only away from their default (core/spec.py's `since`).
+    fields = spec.fingerprint_values(first_revision=2)
     images = sorted(
         [image.name, hashlib.sha256(image.data).hexdigest(), image.caption or ""]
         for image in instance_images

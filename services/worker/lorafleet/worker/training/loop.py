@@ -9,7 +9,6 @@ random), build the optimizer and LR schedule, restore a checkpoint if given, the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import importlib
@@ -74,46 +73,6 @@ _tracer = trace.get_tracer("lorafleet.worker.training")
 StopReason = Literal["cancel", "drain"]
 ProgressHook = Callable[[int, float, float, float], None]
 
-# Spec fields that do not change the trained weights: a checkpoint stays valid across them.
-_NOT_TRAINING_FIELDS = frozenset(
-    {
-        "instance_data_prefix",
-        "class_data_prefix",
-        "checkpointing_steps",
-        "validation_prompt",
-        "validation_steps",
-        "validation_prompts",
-        "validation_negative_prompt",
-        "validation_guidance_scale",
-        "validation_inference_steps",
-        "num_validation_images",
-        "min_vram_mb",
-        "priority",
-        # Which files the result is written as, not what is trained.
-        "output_format",
-        "max_failures",
-        "labels",
-        "webhook_url",
-        "webhook_events",
-    }
-)
-# Spec fields added after checkpoints existed: in the fingerprint only when set away from their
-# default, so that a checkpoint taken before they existed still resumes.
-_LATER_FIELDS = frozenset(
-    {
-        "optimizer",
-        "prodigy_d_coef",
-        "prodigy_safeguard_warmup",
-        "prodigy_use_bias_correction",
-        "use_dora",
-        "lora_dropout",
-        "repeats",
-        "aspect_ratio_bucketing",
-    }
-)
-_SPEC_DEFAULTS = {
-    f.name: f.default for f in dataclasses.fields(JobSpec) if f.default is not dataclasses.MISSING
-}
 # Latents are encoded up front in chunks of this many images.
 _ENCODE_CHUNK = 4
 # Runs in one process take turns. Trainers share no state, but diffusers and transformers patch
@@ -234,13 +193,9 @@ def job_fingerprint(
     spec: JobSpec, instance: Sequence[PreparedImage], class_images: Sequence[PreparedImage]
 ) -> str:
     """Identifies what a checkpoint was trained on: weight-relevant spec fields and data."""
-    fields = {
-        k: v
-        for k, v in spec.to_dict().items()
-        if k not in _NOT_TRAINING_FIELDS and not (k in _LATER_FIELDS and v == _SPEC_DEFAULTS[k])
-    }
     data = {
-        "spec": fields,
+        # The fields that train, as declared in core/spec.py (a pinned test guards the set).
+        "spec": spec.fingerprint_values(),
         "instance": [[i.name, i.sha256, i.caption] for i in instance],
         "class": [i.sha256 for i in class_images],
     }
@@ -494,21 +449,25 @@ class _Run:
         runtime = self.runtime
         self.params: list[torch.nn.Parameter] = []
         groups: list[dict[str, Any]] = []
+        learning_rate = spec.learning_rate
+        if spec.scale_lr:
+            # As diffusers' --scale_lr: the rate per image seen, for one process.
+            learning_rate *= spec.train_batch_size * spec.gradient_accumulation_steps
         for name, module in self.trained.items():
             params = [p for _, p in lora_parameters(module)]
             self.params.extend(params)
-            lr = spec.learning_rate if name == "unet" else spec.text_encoder_learning_rate
+            lr = learning_rate if name == "unet" else spec.text_encoder_learning_rate
             if spec.optimizer == "prodigy":
                 # Prodigy learns one step size for all groups and refuses differing rates; as in
                 # diffusers' script, the text encoders train at learning_rate then.
-                lr = spec.learning_rate
+                lr = learning_rate
             if name == "text_encoder_2":
                 groups[-1]["params"].extend(params)
             else:
                 groups.append({"params": params, "lr": lr})
         optimizer_kwargs: dict[str, Any] = {
             # Also the default group rate, which the polynomial schedule decays from.
-            "lr": spec.learning_rate,
+            "lr": learning_rate,
             "betas": (spec.adam_beta1, spec.adam_beta2),
             "weight_decay": spec.adam_weight_decay,
             "eps": spec.adam_epsilon,
