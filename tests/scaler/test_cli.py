@@ -98,8 +98,9 @@ async def populated(ledger: Ledger) -> dict[str, str]:
             learning_rate=1e-4,
             seconds_per_step=1.5,
         )
+    fold_into = None
     for _ in range(2):
-        await ledger.record_scaler_decision(
+        fold_into, _folded = await ledger.record_scaler_decision(
             at=1_000.0,
             scaler_id="s1",
             action="hold",
@@ -108,6 +109,7 @@ async def populated(ledger: Ledger) -> dict[str, str]:
             reason="no work for 12 s of the 600 s idle grace",
             figures={"idle_s": 12},
             fold_key="hold:no work for # s",
+            fold_into=fold_into,
         )
     decision_id, folded = await ledger.record_scaler_decision(
         at=1_010.0,

@@ -103,6 +103,13 @@ def fold_key(decision: Decision) -> str:
     return decision.action.value + ":" + re.sub(r"\d+(?:\.\d+)?", "#", decision.reason)
 
 
+def provider_fold_key(exc: ProviderError) -> str:
+    """A failed provider read, the same failure tick after tick: its kind and message with
+    counts blanked but HTTP statuses kept (a 401 and a later 404 are two incidents)."""
+    text = re.sub(r"(?<!HTTP )\b\d+(?:\.\d+)?", "#", str(exc))
+    return f"provider-failed:{type(exc).__name__}:{text}"[:2000]
+
+
 def describe(outcome: Outcome) -> str:
     """One line for an operator's terminal, e.g. "dry run: would scale fleet to 3 replicas: ...",
     "done: reallocate local-1: ...", "hold (provider): the provider failed ..."."""
@@ -159,6 +166,10 @@ class Scaler(AsyncLifecycle):
         self._tick_lock = asyncio.Lock()
         self._run_task: asyncio.Task[None] | None = None
         self.ticks = 0
+        # The HOLD rows this scaler wrote on its previous tick, by (target, fold key): a HOLD
+        # folds into one of them, never into a row of another scaler or an older incident.
+        self._held_before: dict[tuple[str, str], int] = {}
+        self._held_now: dict[tuple[str, str], int] = {}
 
     # -- the lock ------------------------------------------------------------------------------
 
@@ -198,6 +209,7 @@ class Scaler(AsyncLifecycle):
                 await _close_quietly(conn)
                 continue
             self._conn, self._lost = conn, lost
+            self._held_before = {}
             self._active.set()
             metrics.ACTIVE.set(1)
             self._wake.set()  # look at the fleet at once
@@ -366,29 +378,54 @@ class Scaler(AsyncLifecycle):
             await self._ensure_active()
             self.ticks += 1
             metrics.TICKS.inc()
-            now = self._clock()
+            self._held_now = {}
             try:
-                snapshot = await self.snapshot(now)
-            except ProviderError as exc:
-                log.warning("provider unavailable; nothing decided this tick", error=str(exc))
-                metrics.PROVIDER_FAILURES.inc()
-                return [await self._record_provider_failure(now, exc)]
-            outcomes: list[Outcome] = []
-            provider_down: str | None = None
-            for decision in decide(snapshot, self._policy):
-                outcome = await self._carry_out(decision, now, provider_down)
-                result = (
-                    "applied" if outcome.applied else "failed" if outcome.error else "not_applied"
-                )
-                metrics.DECISIONS.labels(decision.action.value, result).inc()
-                if outcome.error and outcome.error.startswith(_UNAVAILABLE):
-                    provider_down = outcome.error
-                outcomes.append(outcome)
-                if self._report is not None:
-                    self._report(outcome)
-            return outcomes
+                return await self._tick()
+            finally:
+                self._held_before, self._held_now = self._held_now, {}
 
-    async def _record_provider_failure(self, now: float, exc: ProviderError) -> Outcome:
+    async def _tick(self) -> list[Outcome]:
+        now = self._clock()
+        try:
+            snapshot = await self.snapshot(now)
+        except ProviderError as exc:
+            log.warning("provider unavailable; nothing decided this tick", error=str(exc))
+            metrics.PROVIDER_FAILURES.inc()
+            return [await self._record_provider_failure(exc)]
+        outcomes: list[Outcome] = []
+        provider_down: str | None = None
+        for decision in decide(snapshot, self._policy):
+            outcome = await self._carry_out(decision, provider_down)
+            result = "applied" if outcome.applied else "failed" if outcome.error else "not_applied"
+            metrics.DECISIONS.labels(decision.action.value, result).inc()
+            if outcome.error and outcome.error.startswith(_UNAVAILABLE):
+                provider_down = outcome.error
+            outcomes.append(outcome)
+            if self._report is not None:
+                self._report(outcome)
+        return outcomes
+
+    async def _record(self, d: Decision, key: str, error: str | None = None) -> tuple[int, bool]:
+        """The decision's ledger row, at the time it is written (a HOLD repeated from this
+        scaler's previous tick folds into that tick's row)."""
+        fold = (d.target, key) if d.action is Action.HOLD else None
+        decision_id, folded = await self._ledger.record_scaler_decision(
+            at=self._clock(),
+            scaler_id=self.scaler_id,
+            action=d.action.value,
+            target=d.target,
+            job_id=d.job_id,
+            reason=d.reason,
+            figures=d.figures,
+            fold_key=key,
+            error=error,
+            fold_into=None if fold is None else self._held_before.get(fold),
+        )
+        if fold is not None:
+            self._held_now[fold] = decision_id
+        return decision_id, folded
+
+    async def _record_provider_failure(self, exc: ProviderError) -> Outcome:
         hold = Decision(
             action=Action.HOLD,
             target=PROVIDER,
@@ -403,16 +440,8 @@ class Scaler(AsyncLifecycle):
             provider_failed=True,
         )
         if not self.dry_run:
-            decision_id, folded = await self._ledger.record_scaler_decision(
-                at=now,
-                scaler_id=self.scaler_id,
-                action=hold.action.value,
-                target=hold.target,
-                job_id=None,
-                reason=hold.reason,
-                figures=hold.figures,
-                fold_key=f"provider-failed:{type(exc).__name__}",
-                error=str(exc)[:4000],
+            decision_id, folded = await self._record(
+                hold, provider_fold_key(exc), error=str(exc)[:4000]
             )
             outcome = Outcome(
                 decision=hold,
@@ -426,19 +455,10 @@ class Scaler(AsyncLifecycle):
             self._report(outcome)
         return outcome
 
-    async def _carry_out(self, d: Decision, now: float, provider_down: str | None) -> Outcome:
+    async def _carry_out(self, d: Decision, provider_down: str | None) -> Outcome:
         if self.dry_run:
             return Outcome(decision=d, applied=False, dry_run=True)
-        decision_id, folded = await self._ledger.record_scaler_decision(
-            at=now,
-            scaler_id=self.scaler_id,
-            action=d.action.value,
-            target=d.target,
-            job_id=d.job_id,
-            reason=d.reason,
-            figures=d.figures,
-            fold_key=fold_key(d) if d.action is Action.HOLD else "",
-        )
+        decision_id, folded = await self._record(d, fold_key(d) if d.action is Action.HOLD else "")
         if d.action is Action.HOLD:
             return Outcome(decision=d, applied=False, decision_id=decision_id, folded=folded)
         applied, error, provider_failed = False, None, False
@@ -458,8 +478,13 @@ class Scaler(AsyncLifecycle):
                 prefix = _UNAVAILABLE if exc.retryable else "refused"
                 error, provider_failed = f"{prefix}: {exc}", True
                 log.warning("scaler action failed", action=d.action.value, error=str(exc))
+        # An action's time is when it took effect (a call may retry for its whole deadline):
+        # cooldowns and hold-offs count from there, and `scaler-log` shows it.
         await self._ledger.finish_scaler_decision(
-            decision_id, applied=applied, error=None if error is None else error[:4000]
+            decision_id,
+            applied=applied,
+            error=None if error is None else error[:4000],
+            at=self._clock() if applied else None,
         )
         if applied:
             log.info(

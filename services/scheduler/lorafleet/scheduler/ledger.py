@@ -994,8 +994,10 @@ class Ledger:
         figures: Mapping[str, Any],
         fold_key: str = "",
         error: str | None = None,
+        fold_into: int | None = None,
     ) -> tuple[int, bool]:
-        """(row id, whether it folded into the target's newest row: a repeated HOLD)."""
+        """(row id, whether it folded into row `fold_into`: the same HOLD of the same scaler,
+        repeated from its previous tick, when that row is still the target's newest)."""
         row = await self._fetchrow(
             "record_scaler_decision",
             at,
@@ -1007,14 +1009,16 @@ class Ledger:
             dict(figures),
             fold_key,
             error,
+            fold_into,
         )
         assert row is not None
         return int(row["decision_id"]), bool(row["folded"])
 
     async def finish_scaler_decision(
-        self, decision_id: int, *, applied: bool, error: str | None
+        self, decision_id: int, *, applied: bool, error: str | None, at: float | None = None
     ) -> None:
-        await self._fetch("finish_scaler_decision", decision_id, applied, error)
+        """Records the outcome; `at` (epoch s): when an applied action took effect."""
+        await self._fetch("finish_scaler_decision", decision_id, applied, error, at)
 
     async def recent_scaler_actions(self, since: float) -> list[ScalerAction]:
         """What the scaler carried out since `since` (epoch seconds), oldest first."""

@@ -644,19 +644,21 @@ LIMIT $1;
 
 -- name: record_scaler_decision
 -- $1 at (epoch s, the scaler's clock), $2 scaler id, $3 action, $4 target, $5 job, $6 reason,
--- $7 figures, $8 fold key, $9 error. A HOLD whose fold key equals the one of the target's
--- newest row (itself a HOLD) folds into it: one row however many ticks it repeats.
+-- $7 figures, $8 fold key, $9 error, $10 the row to fold into (NULL: none). A HOLD folds into
+-- row $10 only if that row is the target's newest, a HOLD of the same scaler with the same
+-- fold key: the scaler names it only when it wrote it on its previous tick, so one row stands
+-- for one run of identical consecutive decisions of one scaler, never for two incidents.
 -- Returns the row's id and whether it was folded.
 WITH newest AS (
-    SELECT decision_id, action, fold_key FROM scaler_decisions
+    SELECT decision_id, action, fold_key, scaler_id FROM scaler_decisions
     WHERE target = $4 ORDER BY decision_id DESC LIMIT 1
 ), folded AS (
     UPDATE scaler_decisions d
     SET last_at = to_timestamp($1), repeats = d.repeats + 1, reason = $6, figures = $7,
-        scaler_id = $2, error = $9
+        error = $9
     FROM newest n
-    WHERE d.decision_id = n.decision_id AND $3 = 'hold' AND n.action = 'hold'
-      AND n.fold_key = $8
+    WHERE d.decision_id = n.decision_id AND n.decision_id = $10::bigint
+      AND $3 = 'hold' AND n.action = 'hold' AND n.fold_key = $8 AND n.scaler_id = $2
     RETURNING d.decision_id
 ), inserted AS (
     INSERT INTO scaler_decisions (at, last_at, scaler_id, action, target, job_id, reason,
@@ -670,8 +672,13 @@ UNION ALL
 SELECT decision_id, false AS folded FROM inserted;
 
 -- name: finish_scaler_decision
--- $1 decision, $2 whether it was carried out, $3 the error if not.
-UPDATE scaler_decisions SET applied = $2, error = $3 WHERE decision_id = $1;
+-- $1 decision, $2 whether it was carried out, $3 the error if not, $4 when it took effect
+-- (epoch s; NULL: keep the time it was decided). Cooldowns count from this time.
+UPDATE scaler_decisions
+SET applied = $2, error = $3,
+    at = coalesce(to_timestamp($4::float8), at),
+    last_at = greatest(last_at, coalesce(to_timestamp($4::float8), last_at))
+WHERE decision_id = $1;
 
 -- name: recent_scaler_actions
 -- What the scaler carried out since $1 (epoch s): cooldowns, hold-offs and the reallocation
