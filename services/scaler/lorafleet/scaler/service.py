@@ -79,6 +79,21 @@ class NotActive(LorafleetError):
     retryable = True
 
 
+class LockHeld(LorafleetError):
+    """Another scaler held the lock for the whole bounded wait (`--once` beside an active one)."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, holder: str | None) -> None:
+        super().__init__(message)
+        # The holding scaler's id as its session names it (None: not a lorafleet scaler's).
+        self.holder = holder
+
+
+# The lock session's application_name: who holds the lock can be read from pg_stat_activity.
+_APP_PREFIX = "lorafleet-scaler:"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Outcome:
     """What became of one decision."""
@@ -181,11 +196,15 @@ class Scaler(AsyncLifecycle):
     async def wait_active(self) -> None:
         await self._active.wait()
 
-    async def acquire(self) -> None:
-        """Blocks until this scaler is the active one (waits inside Postgres for the lock)."""
+    async def acquire(self, *, timeout_s: float | None = None) -> None:
+        """Blocks until this scaler is the active one (waits inside Postgres for the lock); with
+        `timeout_s`, at most that long for the lock itself, then `LockHeld` names its holder."""
         while self._conn is None:
             try:
-                conn = await asyncpg.connect(self._dsn)
+                conn = await asyncpg.connect(
+                    self._dsn,
+                    server_settings={"application_name": (_APP_PREFIX + self.scaler_id)[:63]},
+                )
             except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 log.warning("scaler lock connection failed; retrying", error=str(exc))
                 await asyncio.sleep(self._reconnect_delay_s)
@@ -196,7 +215,20 @@ class Scaler(AsyncLifecycle):
                 await conn.add_listener(WORK_CHANNEL, self._notified)
                 await conn.add_listener(LEASE_ENDED_CHANNEL, self._notified)
                 log.info("scaler waiting for the lock", scaler_id=self.scaler_id)
+                if timeout_s is not None:
+                    # Postgres bounds the wait itself (lock_timeout applies to advisory locks).
+                    await conn.execute(f"SET lock_timeout = {max(1, round(timeout_s * 1000))}")
                 await conn.execute("SELECT pg_advisory_lock($1)", SCALER_LOCK)
+                if timeout_s is not None:
+                    await conn.execute("RESET lock_timeout")
+            except asyncpg.LockNotAvailableError:
+                holder = await _lock_holder(conn)
+                await _close_quietly(conn)
+                raise LockHeld(
+                    f"scaler {self.scaler_id} waited {timeout_s:g} s for the scaler lock;"
+                    f" it is held by {holder.describe()}",
+                    holder=holder.scaler_id,
+                ) from None
             except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 log.warning("scaler lock connection lost while waiting", error=str(exc))
                 await _close_quietly(conn)
@@ -250,11 +282,12 @@ class Scaler(AsyncLifecycle):
 
     # -- the loop ------------------------------------------------------------------------------
 
-    async def run_once(self) -> list[Outcome]:
-        """One tick (after the lock, unless a dry run): `lorafleet scaler --once`."""
+    async def run_once(self, *, lock_wait_s: float | None = None) -> list[Outcome]:
+        """One tick (after the lock, unless a dry run): `lorafleet scaler --once`. With
+        `lock_wait_s`, `LockHeld` when another scaler keeps the lock that long."""
         self._run_task = asyncio.current_task()
         if not self.dry_run:
-            await self.acquire()
+            await self.acquire(timeout_s=lock_wait_s)
         return await self.tick()
 
     async def run(self) -> None:
@@ -535,6 +568,48 @@ class Scaler(AsyncLifecycle):
 
 
 _UNAVAILABLE = "provider unavailable"
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Holder:
+    scaler_id: str | None
+    application_name: str
+    client: str
+    pid: int | None
+    since: str
+
+    def describe(self) -> str:
+        if self.pid is None:
+            return "another session (gone by the time it was looked up)"
+        who = (
+            f"scaler {self.scaler_id!r}"
+            if self.scaler_id is not None
+            else f"a session named {self.application_name!r}"
+        )
+        return f"{who} (backend pid {self.pid}, from {self.client}, connected {self.since})"
+
+
+async def _lock_holder(conn: asyncpg.Connection) -> _Holder:
+    """Who holds the scaler lock, from the server's own view of its sessions."""
+    row = await conn.fetchrow(
+        "SELECT a.pid, coalesce(a.application_name, '') AS app,"
+        " coalesce(host(a.client_addr), 'a local socket') AS client,"
+        " to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS') || ' UTC' AS since"
+        " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+        " WHERE l.locktype = 'advisory' AND l.granted"
+        " AND ((l.classid::bigint << 32) | l.objid::bigint) = $1 LIMIT 1",
+        SCALER_LOCK,
+    )
+    if row is None:
+        return _Holder(scaler_id=None, application_name="", client="", pid=None, since="")
+    app = str(row["app"])
+    return _Holder(
+        scaler_id=app[len(_APP_PREFIX) :] if app.startswith(_APP_PREFIX) else None,
+        application_name=app,
+        client=str(row["client"]),
+        pid=int(row["pid"]),
+        since=str(row["since"]),
+    )
 
 
 async def _close_quietly(conn: asyncpg.Connection) -> None:
