@@ -31,8 +31,8 @@ The rules, in the order they claim the reallocation budget:
    replica count: each of them is named as a victim, or the count is not lowered that far.
 5. **Deletion cost** (SaladCloud): `busy_deletion_cost` while a node holds a lease,
    `idle_deletion_cost` otherwise, on every counted instance (stopping ones included), so that
-   a scale-in the provider carries out by itself still removes idle nodes first. These come
-   before the tick's scale decision; the victims it names are left at the 0 it gives them.
+   a scale-in the provider carries out by itself still removes idle nodes first. They come
+   before a scale-in of the same tick; the victims it names are left at the 0 it gives them.
 
 Reallocations are rate-limited: at most max(`reallocate_min_per_window`,
 floor(`reallocate_share` x fleet)) per `reallocate_window_s`, so that a wave of faults cannot
@@ -188,11 +188,12 @@ def decide(snapshot: Snapshot, config: PolicyConfig) -> list[Decision]:
     decisions += stranded
     decisions += _slow_nodes(fleet)
     scale = _scale(fleet, stranded_extra)
-    # Costs first: a node that became busy since the last tick is raised before a lowered
-    # replica count lets the provider choose.
-    decisions += _deletion_costs(fleet)
-    decisions += scale
-    return decisions
+    costs = _deletion_costs(fleet)
+    if any(d.replicas is not None and d.replicas < fleet.s.replicas for d in scale):
+        # A node that became busy since the last tick is raised before a lowered replica
+        # count lets the provider choose.
+        return decisions + costs + scale
+    return decisions + scale + costs
 
 
 class _Fleet:
