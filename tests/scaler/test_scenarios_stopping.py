@@ -1,0 +1,85 @@
+"""Scenarios against a SaladCloud that takes its time: instances stop for `STOP_S` before they
+leave or move (tests/scaler/salad_double.py), the platform reallocates on its own, and the
+scaler must still never remove a busy node."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import pytest
+
+from lorafleet.scaler.policy import Action, PolicyConfig
+from tests.scaler.fleet_sim import FleetSim, Lease, Script, SimWorker, pace
+from tests.scaler.test_scenarios import COLD_START_S, World, _eq, applied
+
+pytestmark = pytest.mark.timeout(120)
+
+STOP_S = 45.0
+
+
+def held_per_job() -> tuple[defaultdict[str, asyncio.Event], Script]:
+    """A script that runs a job past its warm-up, then holds it until its job's event is set
+    (per job, not per worker: a worker may take up another job meanwhile)."""
+    releases: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+    async def script(sim: FleetSim, w: SimWorker, lease: Lease) -> None:
+        assert w.worker is not None
+        step = await pace(w, lease, s_per_step=1.0)
+        w.settled.set()
+        await releases[lease.job_id].wait()
+        if w.lease is lease:
+            await w.worker.store_result(lease.granted, step + 1)
+
+    return releases, script
+
+
+async def test_scale_in_beside_a_stopping_instance_keeps_the_busy_node(world: World) -> None:
+    world.double.stop_s = STOP_S
+    policy = PolicyConfig(max_replicas=2, idle_grace_s=0, cooldown_s=0)
+    scaler = world.scaler(policy)
+    await scaler.acquire()
+    releases, script = held_per_job()
+    sim = world.sim(lambda _m: script)
+    j1, j2 = await world.submit(2)
+    await scaler.tick()
+    world.advance(COLD_START_S)
+    await sim.sync()
+    await world.watch.until(lambda: _eq(world.watch.count_jobs("RUNNING"), 2), "both running")
+    await scaler.tick()  # both leased: both get the busy deletion cost
+    by_job = {w.lease.job_id: w for w in sim.workers.values() if w.lease is not None}
+    machine_of = {i.machine_id: i.id for i in world.double.instances.values()}
+    a = machine_of[by_job[j1].machine_id]
+    x = machine_of[by_job[j2].machine_id]
+    assert {i.deletion_cost for i in world.double.instances.values()} == {100_000}
+
+    # SaladCloud reallocates J2's instance; it stays `stopping`. Its worker drains, J2 is
+    # queued again, and when J1 finishes, J1's node takes J2.
+    world.double.platform_reallocate(x)
+    await sim.sync()
+    await world.watch.until(lambda: _eq(world.watch.count_jobs("QUEUED"), 1), "J2 drained")
+    releases[j1].set()
+    a_machine = world.double.instances[a].machine_id
+    await world.watch.until(
+        lambda: _eq(
+            world.watch.value("SELECT machine_id FROM jobs WHERE job_id = $1::uuid", j2),
+            a_machine,
+        ),
+        "J1 done, J2 on A",
+    )
+    assert world.double.states() == {a: "running", x: "stopping"}
+
+    # 0 queued + 1 running: 2 -> 1, naming the stopping instance; never the busy one.
+    outcomes = await scaler.tick()
+    (scale,) = applied(outcomes, Action.SCALE)
+    assert (scale.decision.replicas, scale.decision.remove) == (1, (x,))
+    assert world.double.instances[x].deletion_cost == 0  # not set back after the PATCH
+    world.double.advance(STOP_S)
+    await sim.sync()
+    assert list(world.double.instances) == [a]
+    assert ("removed", a) not in world.double.actions
+    assert ("stopping", a) not in world.double.actions
+    worker = sim.workers[world.double.instances[a].machine_id]
+    assert worker.lease is not None and worker.lease.job_id == j2
+    releases[j2].set()
+    await world.watch.until(lambda: _eq(world.watch.count_jobs("SUCCEEDED"), 2), "J2 done")
