@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 
 from lorafleet.scaler.policy import Action, PolicyConfig
-from tests.scaler.fleet_sim import FleetSim, Lease, Script, SimWorker, pace
+from tests.scaler.fleet_sim import FleetSim, Lease, Script, SimWorker, fail_node, finish, pace
 from tests.scaler.test_scenarios import COLD_START_S, World, _eq, applied
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,3 +83,41 @@ async def test_scale_in_beside_a_stopping_instance_keeps_the_busy_node(world: Wo
     assert worker.lease is not None and worker.lease.job_id == j2
     releases[j2].set()
     await world.watch.until(lambda: _eq(world.watch.count_jobs("SUCCEEDED"), 2), "J2 done")
+
+
+async def test_two_bad_nodes_cost_at_most_the_threshold_each(world: World) -> None:
+    """Both nodes fail everything; the rate limit lets the scaler move only one of them. The
+    scheduler's quarantine (3 node faults an hour, its default) stops each after 3 failed
+    attempts, before any scaler tick: 6 in all, no job failed, and a fresh node runs them all."""
+    world.double.stop_s = 5.0
+    policy = PolicyConfig(max_replicas=2, fault_threshold=3, cooldown_s=300, idle_grace_s=600)
+    scaler = world.scaler(policy)
+    await scaler.acquire()
+    bad: set[str] = set()
+    sim = world.sim(lambda m: fail_node if m in bad else finish)
+    jobs = await world.submit(9, max_failures=3)
+    await scaler.tick()
+    world.advance(COLD_START_S)
+    bad.update(i.machine_id for i in world.double.instances.values())
+    assert len(bad) == 2
+    await sim.sync()
+    faults = "SELECT count(*) FROM leases WHERE end_reason = 'failed: node'"
+    await world.watch.until(lambda: _eq(world.watch.value(faults), 6), "six node faults")
+
+    outcomes = await scaler.tick()
+    (moved,) = applied(outcomes, Action.REALLOCATE)
+    assert "3 node faults" in moved.decision.reason
+    held = [
+        o
+        for o in outcomes
+        if o.decision.action is Action.HOLD and "rate limit" in o.decision.reason
+    ]
+    assert len(held) == 1  # the other bad node waits for the reallocation budget
+    world.double.advance(5.0)  # the moved instance stops, then starts on a fresh machine
+    world.advance(COLD_START_S)
+    await sim.sync()
+    await world.watch.until(lambda: _eq(world.watch.count_jobs("SUCCEEDED"), 9), "all done")
+    assert await world.watch.value(faults) == 6
+    for job_id in jobs:
+        job = await world.ledger.get_job_any_owner(job_id)
+        assert job is not None and job.failures < job.spec.max_failures

@@ -126,7 +126,8 @@ SELECT * FROM canceled;
 -- One statement: pick the best claimable job for this machine, skipping rows other replicas
 -- hold locked, and grant it a new lease with the next epoch.
 -- $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl seconds, $5 sha256 of the lease's
--- secret (only the grant carries the secret itself).
+-- secret (only the grant carries the secret itself), $6 quarantine threshold (node faults),
+-- $7 quarantine window seconds.
 WITH candidate AS (
     SELECT j.job_id FROM jobs j
     WHERE j.state = 'QUEUED'
@@ -136,6 +137,12 @@ WITH candidate AS (
       -- without resuming it) gets no second until that one ends or expires.
       AND NOT EXISTS (SELECT 1 FROM jobs r WHERE r.machine_id = $1 AND r.state = 'RUNNING'
                       AND r.lease_expires_at > now())
+      -- Quarantine: a machine with $6 node faults in the last $7 s gets nothing until the
+      -- window passes (or the scaler replaces it: a new machine id starts clean), so a bad
+      -- node costs at most $6 failed attempts, not one per queued job.
+      AND (SELECT count(*) FROM leases q
+           WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
+             AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
     ORDER BY (j.epoch > 0) DESC, j.priority DESC, j.created_at, j.job_id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -698,10 +705,14 @@ FROM scaler_decisions ORDER BY decision_id DESC LIMIT $1;
 
 -- name: claim_sample_task
 -- Like claim_job, for a worker that found no training job: the oldest claimable task, re-runs
--- first. $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl s, $5 sha256 of its secret.
+-- first. $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl s, $5 sha256 of its secret,
+-- $6 and $7 the quarantine (as claim_job's).
 WITH candidate AS (
     SELECT s.task_id FROM sample_tasks s JOIN jobs j USING (job_id)
     WHERE s.state = 'QUEUED' AND j.min_vram_mb <= $2 AND NOT ($1 = ANY (s.banned_machines))
+      AND (SELECT count(*) FROM leases q
+           WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
+             AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
     ORDER BY (s.epoch > 0) DESC, j.priority DESC, s.created_at, s.task_id
     LIMIT 1
     FOR UPDATE OF s SKIP LOCKED
