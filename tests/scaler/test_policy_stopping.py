@@ -102,6 +102,18 @@ CASES = [
         [("cost", "x", BUSY)],
         id="a stopping busy instance gets the busy cost",
     ),
+    pytest.param(
+        # Two jobs run, one on a machine no listed instance joins (its worker's machine id is
+        # not the provider's): b or c may be that node, so the count stays.
+        snap(
+            instances=[inst("a", cost=BUSY), inst("b", cost=IDLE), inst("c", cost=IDLE)],
+            nodes=[busy("a", "j1"), node("c")],
+            replicas=3,
+            running_jobs=2,
+        ),
+        [("hold", "fleet")],
+        id="a busy node it cannot see: no scale-in",
+    ),
 ]
 
 

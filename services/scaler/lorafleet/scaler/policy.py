@@ -494,6 +494,21 @@ def _scale(fleet: _Fleet, stranded_extra: int) -> list[Decision]:
                 figures={**figures, "desired": desired},
             )
         ]
+    busy_seen = sum(1 for i in fleet.counted if fleet.busy(i))
+    if s.running_jobs > busy_seen:
+        # A lease on a machine no listed instance joins (its machine id is not the provider's,
+        # or its instance is gone and the lease not yet expired): any instance might be it.
+        return [
+            Decision(
+                action=Action.HOLD,
+                target=FLEET,
+                reason=f"{why} wants {desired} replicas, but {s.running_jobs - busy_seen} running"
+                " job(s) are on no instance the provider lists (machine ids that do not join, or"
+                " a node gone whose lease has not expired): no scale-in until every busy node is"
+                " seen",
+                figures={**figures, "desired": desired, "unseen_busy": s.running_jobs - busy_seen},
+            )
+        ]
     target = max(desired, current - c.max_step)
     # The provider removes (counted - replicas) instances, lowest deletion cost first: every
     # one of them is named here, so that none is the provider's own pick among equals. Too few
