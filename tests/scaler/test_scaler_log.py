@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import pytest
+
 from lorafleet.scaler.policy import Action, PolicyConfig
 from lorafleet.scaler.salad import SaladConfig, SaladProvider
 from tests.scaler.test_scenarios import World, applied
@@ -25,6 +27,7 @@ class SlowScale(SaladProvider):
         await super().scale_to(replicas, remove=remove)
 
 
+@pytest.mark.parametrize("world", [0.0], indirect=True)
 async def test_the_cooldown_counts_from_when_the_scale_took_effect(world: World) -> None:
     policy = PolicyConfig(max_replicas=4, idle_grace_s=0, cooldown_s=15)
     scaler = world.scaler(policy, provider=SlowScale(world.salad_config(), world.advance))
@@ -51,6 +54,7 @@ async def test_the_cooldown_counts_from_when_the_scale_took_effect(world: World)
     assert scale.decision.replicas == 1
 
 
+@pytest.mark.parametrize("world", [0.0], indirect=True)
 async def test_a_401_and_a_later_404_are_two_rows(world: World) -> None:
     scaler = world.scaler(PolicyConfig(max_replicas=2))
     await scaler.acquire()
@@ -71,6 +75,7 @@ async def test_a_401_and_a_later_404_are_two_rows(world: World) -> None:
     ]
 
 
+@pytest.mark.parametrize("world", [0.0], indirect=True)
 async def test_outages_with_healthy_ticks_between_are_two_rows_of_their_scalers(
     world: World,
 ) -> None:

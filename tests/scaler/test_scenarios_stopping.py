@@ -34,8 +34,8 @@ def held_per_job() -> tuple[defaultdict[str, asyncio.Event], Script]:
     return releases, script
 
 
+@pytest.mark.parametrize("world", [STOP_S], indirect=True)
 async def test_scale_in_beside_a_stopping_instance_keeps_the_busy_node(world: World) -> None:
-    world.double.stop_s = STOP_S
     policy = PolicyConfig(max_replicas=2, idle_grace_s=0, cooldown_s=0)
     scaler = world.scaler(policy)
     await scaler.acquire()
@@ -85,11 +85,11 @@ async def test_scale_in_beside_a_stopping_instance_keeps_the_busy_node(world: Wo
     await world.watch.until(lambda: _eq(world.watch.count_jobs("SUCCEEDED"), 2), "J2 done")
 
 
+@pytest.mark.parametrize("world", [5.0], indirect=True)
 async def test_two_bad_nodes_cost_at_most_the_threshold_each(world: World) -> None:
     """Both nodes fail everything; the rate limit lets the scaler move only one of them. The
     scheduler's quarantine (3 node faults an hour, its default) stops each after 3 failed
     attempts, before any scaler tick: 6 in all, no job failed, and a fresh node runs them all."""
-    world.double.stop_s = 5.0
     policy = PolicyConfig(max_replicas=2, fault_threshold=3, cooldown_s=300, idle_grace_s=600)
     scaler = world.scaler(policy)
     await scaler.acquire()
