@@ -57,7 +57,7 @@ class ManualClock:
 
 @dataclass
 class Fault:
-    kind: str  # "429", "500" or "slow"
+    kind: str  # "400", "429", "500" or "slow"
     remaining: int
     retry_after: str | None = None
     delay_s: float = 0.0
@@ -144,7 +144,7 @@ class SaladDouble:
         delay_s: float = 0.0,
         match: str = "",
     ) -> None:
-        assert kind in ("429", "500", "slow")
+        assert kind in ("400", "429", "500", "slow")
         assert delay_s <= 5.0, "keep injected slowness bounded"
         self.faults.append(
             Fault(kind=kind, remaining=count, retry_after=retry_after, delay_s=delay_s, match=match)
@@ -311,6 +311,8 @@ class SaladDouble:
                 return self._problem(429, "Too Many Requests", **extra)
             if fault.kind == "500":
                 return self._problem(500, "Internal Server Error")
+            if fault.kind == "400":
+                return self._problem(400, "Bad Request", "The request was refused.")
             response = await self._handle(handler, request)  # "slow": done, answered late
             await asyncio.sleep(fault.delay_s)
             return response

@@ -11,6 +11,7 @@ import pytest
 
 from lorafleet.scaler.policy import Action, PolicyConfig
 from tests.scaler.fleet_sim import FleetSim, Lease, Script, SimWorker, fail_node, finish, pace
+from tests.scaler.salad_double import PREFIX
 from tests.scaler.test_scenarios import COLD_START_S, World, _eq, applied
 
 pytestmark = pytest.mark.timeout(120)
@@ -121,3 +122,41 @@ async def test_two_bad_nodes_cost_at_most_the_threshold_each(world: World) -> No
     for job_id in jobs:
         job = await world.ledger.get_job_any_owner(job_id)
         assert job is not None and job.failures < job.spec.max_failures
+
+
+@pytest.mark.parametrize("world", [STOP_S], indirect=True)
+async def test_no_scale_in_when_a_busy_nodes_cost_could_not_be_raised(world: World) -> None:
+    """New instances start at deletion cost 0, as do the victims a scale-in names: if raising
+    a busy one's cost is refused, lowering the count could hit it, so it is not tried."""
+    policy = PolicyConfig(max_replicas=2, idle_grace_s=0, cooldown_s=0)
+    scaler = world.scaler(policy)
+    await scaler.acquire()
+    releases, script = held_per_job()
+    sim = world.sim(lambda _m: script)
+    j1, j2 = await world.submit(2)
+    await scaler.tick()
+    world.advance(COLD_START_S)
+    await sim.sync()
+    await world.watch.until(lambda: _eq(world.watch.count_jobs("RUNNING"), 2), "both running")
+    releases[j1].set()
+    await world.watch.until(lambda: _eq(world.watch.count_jobs("SUCCEEDED"), 1), "J1 done")
+    machine = await world.watch.value("SELECT machine_id FROM jobs WHERE job_id = $1::uuid", j2)
+    (busy,) = [i.id for i in world.double.instances.values() if i.machine_id == machine]
+    assert {i.deletion_cost for i in world.double.instances.values()} == {0}
+    d = world.double
+    group = PREFIX.format(org=d.org, project=d.project, group=d.group)
+    d.inject("400", count=1_000, match=f"PATCH {group}/instances/{busy}")
+
+    outcomes = await scaler.tick()
+    assert not applied(outcomes, Action.SCALE) and world.double.replicas == 2
+    (scale,) = [o for o in outcomes if o.decision.action is Action.SCALE]
+    assert scale.error is not None and "could not be raised" in scale.error
+    assert ("stopping", busy) not in world.double.actions
+
+    world.double.faults.clear()
+    (scale,) = applied(await scaler.tick(), Action.SCALE)
+    assert scale.decision.replicas == 1 and busy not in scale.decision.remove
+    world.settle()
+    assert list(world.double.instances) == [busy]
+    releases[j2].set()
+    await world.watch.until(lambda: _eq(world.watch.count_jobs("SUCCEEDED"), 2), "J2 done")

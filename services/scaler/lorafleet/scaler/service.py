@@ -427,12 +427,30 @@ class Scaler(AsyncLifecycle):
             return [await self._record_provider_failure(exc)]
         outcomes: list[Outcome] = []
         provider_down: str | None = None
+        # A busy node whose deletion cost could not be raised may tie with the named victims:
+        # no scale-in this tick then.
+        unprotected: str | None = None
         for decision in decide(snapshot, self._policy):
-            outcome = await self._carry_out(decision, provider_down)
+            skip = provider_down
+            if (
+                skip is None
+                and unprotected is not None
+                and decision.action is Action.SCALE
+                and decision.replicas is not None
+                and decision.replicas < snapshot.replicas
+            ):
+                skip = f"busy instance {unprotected}'s deletion cost could not be raised"
+            outcome = await self._carry_out(decision, skip)
             result = "applied" if outcome.applied else "failed" if outcome.error else "not_applied"
             metrics.DECISIONS.labels(decision.action.value, result).inc()
             if outcome.error and outcome.error.startswith(_UNAVAILABLE):
                 provider_down = outcome.error
+            if (
+                decision.action is Action.SET_DELETION_COST
+                and decision.deletion_cost == self._policy.busy_deletion_cost
+                and outcome.error is not None
+            ):
+                unprotected = decision.target
             outcomes.append(outcome)
             if self._report is not None:
                 self._report(outcome)
@@ -488,15 +506,17 @@ class Scaler(AsyncLifecycle):
             self._report(outcome)
         return outcome
 
-    async def _carry_out(self, d: Decision, provider_down: str | None) -> Outcome:
+    async def _carry_out(self, d: Decision, skip: str | None) -> Outcome:
+        """Records the decision and carries it out, unless `skip` says why it is not tried (the
+        provider is down, or a scale-in would be unsafe)."""
         if self.dry_run:
             return Outcome(decision=d, applied=False, dry_run=True)
         decision_id, folded = await self._record(d, fold_key(d) if d.action is Action.HOLD else "")
         if d.action is Action.HOLD:
             return Outcome(decision=d, applied=False, decision_id=decision_id, folded=folded)
         applied, error, provider_failed = False, None, False
-        if provider_down is not None and d.action is not Action.DROP_LEASE:
-            error, provider_failed = f"not tried: {provider_down}", True
+        if skip is not None and d.action is not Action.DROP_LEASE:
+            error, provider_failed = f"not tried: {skip}", True
         else:
             try:
                 await self._ensure_active()
