@@ -443,6 +443,7 @@ def _scale(fleet: _Fleet, stranded_extra: int) -> list[Decision]:
     desired = min(max(work, c.min_replicas), c.max_replicas)
     starting = sum(1 for i in fleet.live if i.state is InstanceState.STARTING)
     stopping = len(fleet.counted) - len(fleet.live)
+    busy_seen = sum(1 for i in fleet.counted if fleet.busy(i))
     figures: dict[str, Figure] = {
         "queued": s.queued_jobs,
         "running": s.running_jobs,
@@ -450,7 +451,7 @@ def _scale(fleet: _Fleet, stranded_extra: int) -> list[Decision]:
         "live_instances": len(fleet.live),
         "starting": starting,
         "stopping": stopping,
-        "busy_instances": sum(1 for i in fleet.counted if fleet.busy(i)),
+        "busy_instances": busy_seen,
         "min": c.min_replicas,
         "max": c.max_replicas,
     }
@@ -494,7 +495,6 @@ def _scale(fleet: _Fleet, stranded_extra: int) -> list[Decision]:
                 figures={**figures, "desired": desired},
             )
         ]
-    busy_seen = sum(1 for i in fleet.counted if fleet.busy(i))
     if s.running_jobs > busy_seen:
         # A lease on a machine no listed instance joins (its machine id is not the provider's,
         # or its instance is gone and the lease not yet expired): any instance might be it.

@@ -610,18 +610,25 @@ class _Holder:
 
 
 async def _lock_holder(conn: asyncpg.Connection) -> _Holder:
-    """Who holds the scaler lock, from the server's own view of its sessions."""
-    row = await conn.fetchrow(
-        "SELECT a.pid, coalesce(a.application_name, '') AS app,"
-        " coalesce(host(a.client_addr), 'a local socket') AS client,"
-        " to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS') || ' UTC' AS since"
-        " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
-        " WHERE l.locktype = 'advisory' AND l.granted"
-        " AND ((l.classid::bigint << 32) | l.objid::bigint) = $1 LIMIT 1",
-        SCALER_LOCK,
-    )
+    """Who holds the scaler lock, from the server's own view of its sessions (fields another
+    role's session hides, or a failed look-up, read as unknown)."""
+    unknown = _Holder(scaler_id=None, application_name="", client="", pid=None, since="")
+    try:
+        row = await conn.fetchrow(
+            "SELECT a.pid, coalesce(a.application_name, '') AS app,"
+            " coalesce(host(a.client_addr), 'a local socket') AS client,"
+            " coalesce(to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')"
+            " || ' UTC', 'at an unknown time') AS since"
+            " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND l.granted"
+            " AND ((l.classid::bigint << 32) | l.objid::bigint) = $1 LIMIT 1",
+            SCALER_LOCK,
+        )
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        log.warning("could not look up the scaler lock's holder", error=str(exc))
+        return unknown
     if row is None:
-        return _Holder(scaler_id=None, application_name="", client="", pid=None, since="")
+        return unknown
     app = str(row["app"])
     return _Holder(
         scaler_id=app[len(_APP_PREFIX) :] if app.startswith(_APP_PREFIX) else None,
