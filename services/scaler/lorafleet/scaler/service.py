@@ -10,9 +10,14 @@
   claimable, a lease ended). Tests drive `tick()` themselves.
 * **A tick**: a `Snapshot` from the provider (instances, replicas) and the ledger (nodes, their
   faults and pace, the work, the banned queued jobs, the scaler's own recent actions), then
-  `policy.decide`, then each decision is recorded as a ledger row (a HOLD repeated tick after
-  tick folds into one row) and carried out: on the provider (`actions.apply`) or, for
-  DROP_LEASE, in the ledger. The row then says whether it was applied, or why not.
+  `policy.decide`, then each decision is recorded as a ledger row (a HOLD this scaler repeats
+  from its previous tick folds into that tick's row) and carried out: on the provider
+  (`actions.apply`) or, for DROP_LEASE, in the ledger. The row then says whether it was
+  applied, or why not, and an applied action's time becomes the time it took effect (what
+  cooldowns count from). A scale-in is not tried in a tick where a busy node's deletion cost
+  could not be raised.
+* **`--once`** (`run_once`) waits for the lock at most `lock_wait_s`, then raises `LockHeld`
+  naming the holder (its lock session's application_name is `lorafleet-scaler:<id>`).
 * **A failing provider** never crashes the loop and never stands in for an empty fleet: if the
   snapshot cannot be read, nothing is decided; the failure is recorded and the next tick tries
   again. If an action fails because the provider is unavailable, the tick's remaining provider
