@@ -134,3 +134,25 @@ def test_a_bad_node_held_by_the_rate_limit_serves_no_stranded_job() -> None:
     )
     got = summary(decide(snapshot, replace(CFG, idle_grace_s=0)))
     assert got == [("hold", "bad"), ("scale", 3, ())]
+
+
+def test_a_bad_node_held_by_the_rate_limit_is_no_capacity_while_jobs_queue() -> None:
+    bad_node = node("bad", fault_times=(NOW - 5, NOW - 4, NOW - 3))
+    held = [past(60, Action.REALLOCATE, "other")]
+    snapshot = snap(
+        instances=[inst("bad"), inst("b")],
+        nodes=[bad_node, busy("b", "j1")],
+        queued_jobs=1,
+        running_jobs=1,
+        recent_actions=held,
+    )
+    got = summary(decide(snapshot, CFG))
+    assert got == [("hold", "bad"), ("scale", 3, ())]
+    # Without queued work it is only the first to go.
+    idle = snap(
+        instances=[inst("bad"), inst("b")],
+        nodes=[bad_node, busy("b", "j1")],
+        running_jobs=1,
+        recent_actions=held,
+    )
+    assert summary(decide(idle, CFG)) == [("hold", "bad"), ("scale", 1, ("bad",))]

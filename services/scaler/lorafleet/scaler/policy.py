@@ -21,14 +21,16 @@ The rules, in the order they claim the reallocation budget:
    (identical peers have no spread; a 1% difference is not "slow"), with at least
    `slow_min_samples` peer samples: its lease is dropped (the job is re-queued from its
    checkpoint, the machine banned for it) and its instance reallocated.
-4. **Replicas follow the work**: queued + running jobs, clamped to [min, max], against the
-   provider's replica count (instances still starting count). Growth is immediate, by at most
-   `max_step` per tick. Shrinking waits `cooldown_s` after any scale action, and, when there
-   is no work at all, `idle_grace_s` after the work ended; it removes idle instances only
-   (those already stopping first, then bad ones, then those banned from every queued job,
-   then those still starting, then ready idle ones) and never a node holding a lease. The
-   provider removes every instance it counts (starting, running and stopping) beyond the new
-   replica count: each of them is named as a victim, or the count is not lowered that far.
+4. **Replicas follow the work**: queued + running jobs (plus, while jobs queue, one for each
+   bad node the rate limit keeps in place: the scheduler quarantines it), clamped to
+   [min, max], against the provider's replica count (instances still starting count).
+   Growth is immediate, by at most `max_step` per tick. Shrinking waits `cooldown_s` after
+   any scale action, and, when there is no work at all, `idle_grace_s` after the work ended;
+   it removes idle instances only (those already stopping first, then bad ones, then those
+   banned from every queued job, then those still starting, then ready idle ones) and never a
+   node holding a lease. The provider removes every instance it counts (starting, running and
+   stopping) beyond the new replica count: each of them is named as a victim, or the count is
+   not lowered that far.
 5. **Deletion cost** (SaladCloud): `busy_deletion_cost` while a node holds a lease,
    `idle_deletion_cost` otherwise, on every counted instance (stopping ones included), so that
    a scale-in the provider carries out by itself still removes idle nodes first. They come
@@ -440,7 +442,15 @@ def _scale(fleet: _Fleet, stranded_extra: int) -> list[Decision]:
     s, c = fleet.s, fleet.c
     current = s.replicas
     work = s.queued_jobs + s.running_jobs
-    desired = min(max(work, c.min_replicas), c.max_replicas)
+    # A bad node left in place (the reallocation rate limit) is quarantined by the scheduler
+    # and serves nothing: while jobs queue, it does not count as capacity.
+    quarantined = sum(
+        1
+        for i in fleet.live
+        if i.instance_id in fleet.bad - fleet.moving and not fleet.held_off(i.instance_id)
+    )
+    extra = quarantined if s.queued_jobs > 0 else 0
+    desired = min(max(work, c.min_replicas) + extra, c.max_replicas)
     starting = sum(1 for i in fleet.live if i.state is InstanceState.STARTING)
     stopping = len(fleet.counted) - len(fleet.live)
     busy_seen = sum(1 for i in fleet.counted if fleet.busy(i))
@@ -451,11 +461,14 @@ def _scale(fleet: _Fleet, stranded_extra: int) -> list[Decision]:
         "live_instances": len(fleet.live),
         "starting": starting,
         "stopping": stopping,
+        "bad_held": quarantined,
         "busy_instances": busy_seen,
         "min": c.min_replicas,
         "max": c.max_replicas,
     }
-    why = f"{s.queued_jobs} queued + {s.running_jobs} running jobs"
+    why = f"{s.queued_jobs} queued + {s.running_jobs} running jobs" + (
+        f" + {extra} bad node(s) held in place" if extra else ""
+    )
     if stranded_extra and desired <= current:
         desired = min(current + stranded_extra, c.max_replicas)
         why += ", and a queued job banned from every live node"
