@@ -187,9 +187,15 @@ class FleetSim:
     async def _stop(self, w: SimWorker) -> None:
         if w.lease is not None and w.worker is not None:
             self.killed_while_leased.append(w.machine_id)
-            # SIGTERM: a real worker checkpoints and drains.
+            # SIGTERM: a real worker checkpoints, drains and closes its stream; the stream is
+            # cut only once the scheduler has ended it (or after a bounded wait), so that the
+            # Draining is read, as a real worker's is, and not lost with a cancelled call.
             with contextlib.suppress(Exception):
                 await w.worker.send(draining=fpb.Draining(lease=w.lease.ref, reason="SIGTERM"))
+                await w.worker.call.done_writing()
+            if w.task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(w.task), timeout=5.0)
         if w.task is not None:
             w.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -3,11 +3,21 @@
 It serves the container-group endpoints the provider uses, checks the `Salad-Api-Key` header
 (401 otherwise), parses request bodies with the SDK's own models (a malformed or unknown field
 is a 400) and builds every answer through the SDK's models too, so a response the SDK could not
-read fails here first. Instances appear after a configurable cold start (a clock the test
-moves, no sleeping), a group below its replica count grows new ones (as SaladCloud does after a
-node vanishes), a scale-in removes the lowest deletion cost first, and faults can be injected:
-429 with Retry-After, 500, and slow answers that outlast the client's timeout (the action is
-carried out first, as when only the answer is lost).
+read fails here first. Errors are the published description's: `ProblemDetails` bodies as
+`application/json`, 404 for an unknown group or instance, 400 for a malformed body; reading an
+instance answers 202, as the description says.
+
+Time is the test's (a `ManualClock` it moves; no sleeping), and the platform takes its time as
+SaladCloud does: an instance passes through allocating, downloading and creating over the cold
+start (`cold_start_s`); an instance that is removed (scale-in, a stopped group), reallocated or
+restarted is `stopping` for `stop_s` first, still counted by the group and still listed, and
+only then leaves, moves to a new machine or runs again. A scale-in picks among every instance
+the group counts (stopping ones included) by lowest deletion cost, then newest, so a tie can
+land on a busy node. The platform also reallocates instances on its own
+(`platform_reallocate`), a node can vanish (`vanish`), and a group below its replica count
+grows new ones. `advance(s)` moves the clock and lets the platform catch up. Faults can be
+injected: 429 with Retry-After, 500, and slow answers that outlast the client's timeout (the
+action is carried out first, as when only the answer is lost).
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ class ManualClock:
 
 @dataclass
 class Fault:
-    kind: str  # "429", "500" or "slow"
+    kind: str  # "400", "429", "500" or "slow"
     remaining: int
     retry_after: str | None = None
     delay_s: float = 0.0
@@ -63,9 +73,19 @@ class DoubleInstance:
     deletion_cost: int = 0
     version: int = 1
     changes: int = 0
+    # While stopping: when the stop ends, and what then ("remove", "move" to a new machine, or
+    # "restart" on this one).
+    stop_at: float | None = None
+    after_stop: str = ""
 
     def state(self, now: float, cold_start_s: float) -> str:
-        return "running" if now - self.created_at >= cold_start_s else "allocating"
+        if self.stop_at is not None:
+            return "stopping"
+        age = now - self.created_at
+        if age >= cold_start_s:
+            return "running"
+        # The cold start in three parts, as the platform reports them.
+        return ("allocating", "downloading", "creating")[min(2, int(3 * age / cold_start_s))]
 
 
 @dataclass
@@ -75,6 +95,8 @@ class SaladDouble:
     project: str = "fleet"
     group: str = "workers"
     cold_start_s: float = 0.0
+    # How long an instance stays `stopping` before it leaves, moves or restarts (0: at once).
+    stop_s: float = 0.0
     clock: ManualClock = field(default_factory=ManualClock)
     replicas: int = 0
     status: str = "running"
@@ -122,7 +144,7 @@ class SaladDouble:
         delay_s: float = 0.0,
         match: str = "",
     ) -> None:
-        assert kind in ("429", "500", "slow")
+        assert kind in ("400", "429", "500", "slow")
         assert delay_s <= 5.0, "keep injected slowness bounded"
         self.faults.append(
             Fault(kind=kind, remaining=count, retry_after=retry_after, delay_s=delay_s, match=match)
@@ -134,7 +156,20 @@ class SaladDouble:
         self.actions.append(("vanished", instance_id))
         self._reconcile()
 
+    def platform_reallocate(self, instance_id: str) -> None:
+        """SaladCloud moves the instance by itself (its node was reclaimed): it stops for
+        `stop_s` (its deletion cost kept), then comes back on a new machine."""
+        self.actions.append(("platform_reallocate", instance_id))
+        self._stop_instance(self.instances[instance_id], "move")
+        self._reconcile()
+
+    def advance(self, seconds: float) -> None:
+        """Time passes on the platform: stops end, cold starts finish."""
+        self.clock.advance(seconds)
+        self._reconcile()
+
     def states(self) -> dict[str, str]:
+        self._reconcile()
         return {i.id: i.state(self.clock(), self.cold_start_s) for i in self.instances.values()}
 
     # -- the platform's behaviour ----------------------------------------------------------
@@ -142,26 +177,57 @@ class SaladDouble:
     def _new_machine(self) -> str:
         return f"machine-{next(self._machines)}"
 
+    def _stop_instance(self, inst: DoubleInstance, then: str) -> None:
+        if inst.stop_at is not None:
+            if then == "remove":
+                inst.after_stop = "remove"  # a move or restart in progress becomes a removal
+            return
+        inst.changes += 1
+        inst.stop_at, inst.after_stop = self.clock() + self.stop_s, then
+        if self.stop_s > 0:
+            self.actions.append(("stopping", inst.id))
+        self._finish_stops()
+
+    def _finish_stops(self) -> None:
+        now = self.clock()
+        for inst in list(self.instances.values()):
+            if inst.stop_at is None or inst.stop_at > now:
+                continue
+            ended, inst.stop_at = inst.stop_at, None
+            inst.changes += 1
+            if inst.after_stop == "remove":
+                del self.instances[inst.id]
+                self.actions.append(("removed", inst.id))
+            elif inst.after_stop == "move":
+                inst.machine_id = self._new_machine()
+                inst.created_at = ended
+            else:  # restart: the image is on the node already
+                inst.created_at = ended - self.cold_start_s
+
     def _reconcile(self) -> None:
+        self._finish_stops()
         want = self.replicas if self.status == "running" else 0
-        while len(self.instances) < want:
+        # The group counts every instance it has not removed yet, stopping ones included.
+        counted = [i for i in self.instances.values() if i.after_stop != "remove"]
+        for _ in range(want - len(counted)):
             iid = str(uuid.uuid4())
             self.instances[iid] = DoubleInstance(
                 id=iid, machine_id=self._new_machine(), created_at=self.clock()
             )
-        if len(self.instances) > want:
-            # Lowest deletion cost first; among equals, the newest.
-            order = sorted(self.instances.values(), key=lambda i: (i.deletion_cost, -i.created_at))
-            for victim in order[: len(self.instances) - want]:
-                del self.instances[victim.id]
-                self.actions.append(("removed", victim.id))
+        if len(counted) > want:
+            # Lowest deletion cost first; among equals, the newest (a stable sort: then the
+            # oldest listed).
+            order = sorted(counted, key=lambda i: (i.deletion_cost, -i.created_at))
+            for victim in order[: len(counted) - want]:
+                self._stop_instance(victim, "remove")
 
     def _instance_json(self, inst: DoubleInstance) -> dict[str, Any]:
         model = ContainerGroupInstance(
             id_=inst.id,
             machine_id=inst.machine_id,
             state=inst.state(self.clock(), self.cold_start_s),
-            update_time=f"2025-01-01T00:00:{inst.changes:02}Z",
+            update_time=f"2025-01-01T{inst.changes // 3600 % 24:02}:{inst.changes // 60 % 60:02}"
+            f":{inst.changes % 60:02}Z",
             version=inst.version,
             deletion_cost=inst.deletion_cost,
             ready=True,
@@ -195,9 +261,9 @@ class SaladDouble:
                 "status": self.status,
                 "instance_status_counts": {
                     "allocating_count": states.count("allocating"),
-                    "creating_count": 0,
+                    "creating_count": states.count("downloading") + states.count("creating"),
                     "running_count": states.count("running"),
-                    "stopping_count": 0,
+                    "stopping_count": states.count("stopping"),
                 },
             },
             "pending_change": False,
@@ -215,12 +281,12 @@ class SaladDouble:
     # -- HTTP ------------------------------------------------------------------------------
 
     @staticmethod
-    def _problem(status: int, title: str, **headers: str) -> web.Response:
+    def _problem(status: int, title: str, detail: str = "", **headers: str) -> web.Response:
+        """An error as the published description gives it: `ProblemDetails`, application/json."""
         return web.json_response(
-            {"type": "about:blank", "title": title, "status": status, "detail": title},
+            {"type": "about:blank", "title": title, "status": status, "detail": detail or title},
             status=status,
             headers=headers,
-            content_type="application/problem+json",
         )
 
     @web.middleware
@@ -235,7 +301,7 @@ class SaladDouble:
             self.project,
             self.group,
         ):
-            return self._problem(404, "Container group not found")
+            return self._problem(404, "Not Found", "The container group could not be found.")
         self._reconcile()
         fault = next((f for f in self.faults if f.remaining > 0 and f.match in line), None)
         if fault is not None:
@@ -245,32 +311,48 @@ class SaladDouble:
                 return self._problem(429, "Too Many Requests", **extra)
             if fault.kind == "500":
                 return self._problem(500, "Internal Server Error")
-            response = await handler(request)  # "slow": done, but the answer comes late
+            if fault.kind == "400":
+                return self._problem(400, "Bad Request", "The request was refused.")
+            response = await self._handle(handler, request)  # "slow": done, answered late
             await asyncio.sleep(fault.delay_s)
             return response
-        return await handler(request)
+        return await self._handle(handler, request)
+
+    async def _handle(self, handler: Handler, request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except SaladDouble._Refused as refused:
+            return refused.response
+
+    class _Refused(Exception):
+        def __init__(self, response: web.Response) -> None:
+            self.response = response
 
     async def _body(self, request: web.Request, model: Any) -> Any:
+        def bad(detail: str) -> SaladDouble._Refused:
+            return SaladDouble._Refused(self._problem(400, "Bad Request", detail))
+
         if request.content_type != "application/merge-patch+json":
-            raise web.HTTPUnsupportedMediaType(text=request.content_type)
+            raise SaladDouble._Refused(
+                self._problem(415, "Unsupported Media Type", request.content_type)
+            )
         try:
             raw = json.loads(await request.text())
             parsed = model._unmap(raw)
         except (ValueError, TypeError) as exc:
-            raise web.HTTPBadRequest(text=f"malformed body: {exc}") from None
+            raise bad(f"malformed body: {exc}") from None
         if parsed._kwargs:
-            raise web.HTTPBadRequest(text=f"unknown fields: {sorted(parsed._kwargs)}")
+            raise bad(f"unknown fields: {sorted(parsed._kwargs)}")
         for name, value in vars(parsed).items():
             if not name.startswith("_") and isinstance(value, bool):
-                raise web.HTTPBadRequest(text=f"{name}: must be an integer")
+                raise bad(f"{name}: must be an integer")
         return parsed
 
     def _find(self, request: web.Request) -> DoubleInstance:
         inst = self.instances.get(request.match_info["iid"])
         if inst is None:
-            raise web.HTTPNotFound(
-                text=json.dumps({"title": "Instance not found", "status": 404}),
-                content_type="application/json",
+            raise SaladDouble._Refused(
+                self._problem(404, "Not Found", "The container group instance could not be found.")
             )
         return inst
 
@@ -303,7 +385,8 @@ class SaladDouble:
         return web.json_response({"instances": items})
 
     async def _get_instance(self, request: web.Request) -> web.Response:
-        return web.json_response(self._instance_json(self._find(request)))
+        # 202, not 200: the published description's answer for reading an instance.
+        return web.json_response(self._instance_json(self._find(request)), status=202)
 
     async def _patch_instance(self, request: web.Request) -> web.Response:
         inst = self._find(request)
@@ -316,14 +399,16 @@ class SaladDouble:
     def _instance_action(self, verb: str) -> Handler:
         async def handle(request: web.Request) -> web.Response:
             inst = self._find(request)
-            inst.changes += 1
-            if verb == "reallocate":
-                inst.machine_id = self._new_machine()
-                inst.created_at = self.clock()
-                inst.deletion_cost = 0
-            elif verb == "recreate":
-                inst.created_at = self.clock()
             self.actions.append((verb, inst.id))
+            if verb == "reallocate":
+                inst.deletion_cost = 0
+                self._stop_instance(inst, "move")
+            elif verb == "restart" and self.stop_s > 0:
+                self._stop_instance(inst, "restart")
+            else:  # recreate, or a restart that takes no time
+                inst.changes += 1
+                if verb == "recreate":
+                    inst.created_at = self.clock()
             return web.Response(status=202)
 
         return handle

@@ -4,6 +4,7 @@ ledger (and the SaladCloud double), as an operator runs them; and the ledger rea
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import uuid
 
@@ -13,6 +14,9 @@ from lorafleet.app.main import build_parser
 from lorafleet.app.services import run_nodes, run_scaler, run_scaler_log
 from lorafleet.core.model import Machine, Qualification
 from lorafleet.core.spec import JobSpec
+from lorafleet.scaler.policy import PolicyConfig
+from lorafleet.scaler.salad import SaladConfig, SaladProvider
+from lorafleet.scaler.service import Scaler
 from lorafleet.scheduler.ledger import Ledger, NewJob
 from tests.scaler.salad_double import SaladDouble
 
@@ -98,8 +102,9 @@ async def populated(ledger: Ledger) -> dict[str, str]:
             learning_rate=1e-4,
             seconds_per_step=1.5,
         )
+    fold_into = None
     for _ in range(2):
-        await ledger.record_scaler_decision(
+        fold_into, _folded = await ledger.record_scaler_decision(
             at=1_000.0,
             scaler_id="s1",
             action="hold",
@@ -108,6 +113,7 @@ async def populated(ledger: Ledger) -> dict[str, str]:
             reason="no work for 12 s of the 600 s idle grace",
             figures={"idle_s": 12},
             fold_key="hold:no work for # s",
+            fold_into=fold_into,
         )
     decision_id, folded = await ledger.record_scaler_decision(
         at=1_010.0,
@@ -227,7 +233,7 @@ async def test_scaler_once_exits_non_zero_when_the_provider_fails(
         await ledger.insert_jobs("alice", [_job()])
         double.inject("500", count=1_000)
         monkeypatch.setenv("SALAD_API_KEY", double.api_key)
-        args = _salad_scaler_args(double, database_url)
+        args = _salad_scaler_args(double, database_url, "--salad-deadline-s", "2")
         assert await run_scaler(args) == 1
     finally:
         await double.close()
@@ -254,3 +260,41 @@ def test_up_maps_workers_onto_the_scalers_bounds(
     from lorafleet.app.local import worker_bounds
 
     assert worker_bounds(gpus, max_workers=max_workers, min_workers=min_workers) == bounds
+
+
+async def test_scaler_once_beside_an_active_scaler_exits_naming_it(
+    database_url: str,
+    ledger: Ledger,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    double = SaladDouble()
+    await double.start()
+    active = Scaler(
+        ledger=ledger,
+        database_url=database_url,
+        provider=SaladProvider(
+            SaladConfig(
+                organization=double.org,
+                project=double.project,
+                group=double.group,
+                api_key=double.api_key,
+                base_url=double.base_url,
+            )
+        ),
+        policy=PolicyConfig(),
+        scaler_id="scaler-on-host-a",
+    )
+    try:
+        await active.acquire()
+        await ledger.insert_jobs("alice", [_job()])
+        monkeypatch.setenv("SALAD_API_KEY", double.api_key)
+        args = _salad_scaler_args(double, database_url, "--lock-wait-s", "0.5")
+        async with asyncio.timeout(20):
+            assert await run_scaler(args) == 1
+    finally:
+        await active.close()
+        await double.close()
+    err = capsys.readouterr().err
+    assert "waited 0.5 s for the scaler lock" in err and "'scaler-on-host-a'" in err
+    assert double.actions == [] and await ledger.list_scaler_decisions(10) == []

@@ -232,8 +232,9 @@ SCALE_CASES = [
             idle_since=NOW - 601,
         ),
         CFG,
-        [("scale", 0, ("a", "b"))],
-        id="stopping instances are not counted",
+        # The provider still counts the stopping one: it is named too (first, it is leaving).
+        [("scale", 0, ("x", "a", "b"))],
+        id="stopping instances are counted and named",
     ),
 ]
 

@@ -1,7 +1,9 @@
 """The scaler end to end: a real scheduler and Postgres, the SaladCloud double over HTTP as the
 provider, and one scripted worker per running instance (tests/scaler/fleet_sim.py). Time is the
 test's: the scaler's clock and the double's cold starts move when the test says; ticks are
-driven with `await scaler.tick()`; waits are on ledger notifications, bounded.
+driven with `await scaler.tick()`; waits are on ledger notifications, bounded. Every scenario
+runs twice: with instances that leave at once, and with instances that stay `stopping` for
+`STOP_S` (removed, reallocated) until the test lets the platform catch up (`World.settle`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from tests.scheduler.harness import UserClient
 pytestmark = pytest.mark.timeout(120)
 
 COLD_START_S = 60.0
+STOP_S = 5.0
 
 
 @dataclass
@@ -56,21 +59,22 @@ class World:
     sims: list[FleetSim]
     scalers: list[Scaler]
 
-    def provider(self) -> SaladProvider:
+    def salad_config(self) -> SaladConfig:
         d = self.double
-        return SaladProvider(
-            SaladConfig(
-                organization=d.org,
-                project=d.project,
-                group=d.group,
-                api_key=d.api_key,
-                base_url=d.base_url,
-                request_timeout_s=0.5,
-                deadline_s=0.3,
-                initial_backoff_s=0.01,
-                max_backoff_s=0.05,
-            )
+        return SaladConfig(
+            organization=d.org,
+            project=d.project,
+            group=d.group,
+            api_key=d.api_key,
+            base_url=d.base_url,
+            request_timeout_s=0.5,
+            deadline_s=0.3,
+            initial_backoff_s=0.01,
+            max_backoff_s=0.05,
         )
+
+    def provider(self) -> SaladProvider:
+        return SaladProvider(self.salad_config())
 
     def scaler(self, policy: PolicyConfig, **overrides: Any) -> Scaler:
         values: dict[str, Any] = dict(
@@ -100,6 +104,10 @@ class World:
         self.clock.advance(seconds)
         self.double.clock.advance(seconds)
 
+    def settle(self) -> None:
+        """The platform finishes what is stopping (removals leave, reallocations move)."""
+        self.double.advance(self.double.stop_s)
+
     async def submit(self, count: int, **spec: Any) -> list[str]:
         return [(await self.alice.submit(**spec)).job_id for _ in range(count)]
 
@@ -108,13 +116,15 @@ class World:
         return {r["state"]: r["count"] for r in rows}
 
 
-@pytest.fixture
-async def world(database_url: str, tmp_path: Path) -> AsyncIterator[World]:
+@pytest.fixture(params=[0.0, STOP_S], ids=["instant-stop", "slow-stop"])
+async def world(
+    request: pytest.FixtureRequest, database_url: str, tmp_path: Path
+) -> AsyncIterator[World]:
     # Scripted workers finish a job in milliseconds (one may run 20 jobs, 100+ messages, in a
     # second), far above any real worker's pace; the per-stream rate limit has its own tests
     # (tests/scheduler/test_worker_trust.py) and is not what these scenarios are about.
     config = scheduler_config(database_url, tmp_path / "data", worker_message_burst=10_000)
-    double = SaladDouble(cold_start_s=COLD_START_S)
+    double = SaladDouble(cold_start_s=COLD_START_S, stop_s=request.param)
     await double.start()
     async with Scheduler(config) as scheduler:
         await scheduler.storage.put_bytes(upload_key("alice", "dogs/rex", "1.png"), b"png")
@@ -198,6 +208,7 @@ async def test_a_burst_scales_out_to_max_and_back_to_zero_when_idle(world: World
     outcomes = await scaler.tick()
     (scale,) = applied(outcomes, Action.SCALE)
     assert scale.decision.replicas == 0 and len(scale.decision.remove) == 5
+    world.settle()
     assert world.double.replicas == 0 and world.double.instances == {}
     await sim.sync()
     assert sim.workers == {} and sim.killed_while_leased == []
@@ -242,6 +253,7 @@ async def test_scale_in_never_removes_a_leased_worker(world: World) -> None:
     outcomes = await scaler.tick()
     (scale,) = applied(outcomes, Action.SCALE)
     assert scale.decision.replicas == 1
+    world.settle()
     left = await instances(world)
     assert [i.machine_id for i in left] == [keeper.machine_id]
     await holders.sync()
@@ -256,6 +268,7 @@ async def test_scale_in_never_removes_a_leased_worker(world: World) -> None:
     await world.watch.until(lambda: _eq(world.watch.count_jobs("SUCCEEDED"), 3), "all done")
     world.advance(policy.cooldown_s)
     (scale,) = applied(await scaler.tick(), Action.SCALE)
+    world.settle()
     assert scale.decision.replicas == 0 and world.double.instances == {}
     await holders.sync()
     assert holders.killed_while_leased == []
@@ -289,6 +302,7 @@ async def test_a_node_failing_every_job_is_reallocated_before_any_job_fails(
     assert moved.decision.figures["faults_in_window"] == 3
     assert ("reallocate", moved.decision.target) in world.double.actions
     # The instance comes back on another machine, which finishes every job.
+    world.settle()
     world.advance(COLD_START_S)
     await sim.sync()
     assert bad_machine not in sim.workers and len(sim.workers) == 1
@@ -327,6 +341,7 @@ async def test_a_slow_node_is_dropped_and_its_job_finishes_elsewhere_from_its_ch
     assert (dropped.decision.target, dropped.decision.job_id) == (slow, slow_job)
     assert dropped.decision.figures["seconds_per_step"] == 12.0
     (moved,) = applied(outcomes, Action.REALLOCATE)
+    world.settle()
     assert world.double.instances[moved.decision.target].machine_id != slow
 
     # The job is queued again, not failed, and its machine banned for it.
@@ -383,6 +398,7 @@ async def test_the_one_node_banned_job_deadlock_resolves_by_itself(world: World)
     outcomes = await scaler.tick()
     (moved,) = applied(outcomes, Action.REALLOCATE)
     assert "banned from every live node" in moved.decision.reason
+    world.settle()
     world.advance(COLD_START_S)
     await sim.sync()
     await world.watch.until(lambda: _eq(world.watch.count_jobs("SUCCEEDED"), 1), "it ran")

@@ -24,7 +24,7 @@ from lorafleet.core.settings import add_flags, load
 from lorafleet.core.telemetry import MetricsServer, configure_tracing
 from lorafleet.core.webhooks import standard_secret
 from lorafleet.scaler.config import ScalerSettings
-from lorafleet.scaler.service import Scaler, describe, provider_from_settings
+from lorafleet.scaler.service import LockHeld, Scaler, describe, provider_from_settings
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.config import SchedulerConfig
 from lorafleet.scheduler.database import EmbeddedPostgres, migrate
@@ -180,7 +180,13 @@ async def run_scaler(args: argparse.Namespace) -> int:
                 if args.once:
                     # Non-zero when the provider could not be read or failed an action (not
                     # for a decision a race made moot), so a cron job or a deploy check sees it.
-                    outcomes = await scaler.run_once()
+                    # The wait for the lock is bounded: beside an active scaler, exit 1 and
+                    # say which one holds it instead of waiting for its session to end.
+                    try:
+                        outcomes = await scaler.run_once(lock_wait_s=settings.lock_wait_s)
+                    except LockHeld as exc:
+                        print(f"lorafleet scaler --once: {exc}", file=sys.stderr, flush=True)
+                        return 1
                     return 1 if any(o.provider_failed for o in outcomes) else 0
                 task = asyncio.create_task(scaler.run())
                 loop = asyncio.get_running_loop()

@@ -30,6 +30,12 @@ class ScalerSettings(ServiceSettings):
     )
     dry_run: bool = Field(False, description="print the decisions without acting on them")
     scaler_id: str = Field("", description="this scaler's name in its decisions; default hostname")
+    lock_wait_s: float = Field(
+        30.0,
+        gt=0,
+        le=86_400,
+        description="--once: seconds to wait for the scaler lock; then exit 1 naming its holder",
+    )
 
     # -- the ledger (the scheduler's Postgres) -------------------------------------------------
     database_url: str = Field(

@@ -21,15 +21,20 @@ The rules, in the order they claim the reallocation budget:
    (identical peers have no spread; a 1% difference is not "slow"), with at least
    `slow_min_samples` peer samples: its lease is dropped (the job is re-queued from its
    checkpoint, the machine banned for it) and its instance reallocated.
-4. **Replicas follow the work**: queued + running jobs, clamped to [min, max], against the
-   provider's replica count (instances still starting count). Growth is immediate, by at most
-   `max_step` per tick. Shrinking waits `cooldown_s` after any scale action, and, when there
-   is no work at all, `idle_grace_s` after the work ended; it removes idle instances only
-   (bad ones first, then those banned from every queued job, then those still starting, then
-   ready idle ones) and never a node holding a lease.
+4. **Replicas follow the work**: queued + running jobs (plus, while jobs queue, one for each
+   bad node the rate limit keeps in place: the scheduler quarantines it), clamped to
+   [min, max], against the provider's replica count (instances still starting count).
+   Growth is immediate, by at most `max_step` per tick. Shrinking waits `cooldown_s` after
+   any scale action, and, when there is no work at all, `idle_grace_s` after the work ended;
+   it removes idle instances only (those already stopping first, then bad ones, then those
+   banned from every queued job, then those still starting, then ready idle ones) and never a
+   node holding a lease. The provider removes every instance it counts (starting, running and
+   stopping) beyond the new replica count: each of them is named as a victim, or the count is
+   not lowered that far.
 5. **Deletion cost** (SaladCloud): `busy_deletion_cost` while a node holds a lease,
-   `idle_deletion_cost` otherwise, so that a scale-in the provider carries out by itself
-   still removes idle nodes first.
+   `idle_deletion_cost` otherwise, on every counted instance (stopping ones included), so that
+   a scale-in the provider carries out by itself still removes idle nodes first. They come
+   before a scale-in of the same tick; the victims it names are left at the 0 it gives them.
 
 Reallocations are rate-limited: at most max(`reallocate_min_per_window`,
 floor(`reallocate_share` x fleet)) per `reallocate_window_s`, so that a wave of faults cannot
@@ -47,7 +52,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from lorafleet.scaler.provider import LIVE_STATES, Instance, InstanceState
+from lorafleet.scaler.provider import COUNTED_STATES, LIVE_STATES, Instance, InstanceState
 
 FLEET = "fleet"
 
@@ -184,9 +189,13 @@ def decide(snapshot: Snapshot, config: PolicyConfig) -> list[Decision]:
     stranded_extra, stranded = _stranded_jobs(fleet)
     decisions += stranded
     decisions += _slow_nodes(fleet)
-    decisions += _scale(fleet, stranded_extra)
-    decisions += _deletion_costs(fleet)
-    return decisions
+    scale = _scale(fleet, stranded_extra)
+    costs = _deletion_costs(fleet)
+    if any(d.replicas is not None and d.replicas < fleet.s.replicas for d in scale):
+        # A node that became busy since the last tick is raised before a lowered replica
+        # count lets the provider choose.
+        return decisions + costs + scale
+    return decisions + scale + costs
 
 
 class _Fleet:
@@ -196,6 +205,9 @@ class _Fleet:
         self.s = snapshot
         self.c = config
         self.live = [i for i in snapshot.instances if i.state in LIVE_STATES]
+        # Live ones and those still stopping: the provider counts them all, and a scale-in
+        # it carries out may pick any of them.
+        self.counted = [i for i in snapshot.instances if i.state in COUNTED_STATES]
         # Joined by machine id, never by instance id: a reallocated SaladCloud instance keeps
         # its id on a new machine, and the old machine's facts must not follow it there.
         by_machine = {n.machine_id: n for n in snapshot.nodes}
@@ -208,6 +220,8 @@ class _Fleet:
         # Instances this tick sends elsewhere (they come back on a fresh machine).
         self.moving: set[str] = set()
         self.bad: set[str] = set()
+        # The instances this tick's scale-in names (their deletion cost goes to 0 with it).
+        self.victims: set[str] = set()
         window_start = snapshot.now - config.reallocate_window_s
         self.reallocations_used = sum(
             1
@@ -306,12 +320,13 @@ def _stranded_jobs(fleet: _Fleet) -> tuple[int, list[Decision]]:
     if not fleet.live:
         return 0, []  # nothing runs: the replica rule starts fresh machines
     for job in sorted(s.banned_queued, key=lambda j: j.job_id):
-        # A moving instance, or one not yet placed on a machine, may serve the job.
+        # A moving instance, or one not yet placed on a machine, may serve the job; a bad
+        # one left in place (rate limit) may not: the scheduler quarantines its machine.
         if any(
             i.instance_id in fleet.moving
             or fleet.held_off(i.instance_id)
             or not fleet.machine(i)
-            or fleet.machine(i) not in job.banned_machines
+            or (i.instance_id not in fleet.bad and fleet.machine(i) not in job.banned_machines)
             for i in fleet.live
         ):
             continue
@@ -402,11 +417,14 @@ def _slow_nodes(fleet: _Fleet) -> list[Decision]:
 
 
 def _victims(fleet: _Fleet, count: int) -> list[str]:
-    """Up to `count` idle live instances, least useful first; never one holding a lease."""
+    """Up to `count` idle counted instances, least useful first (those already stopping, then
+    bad, banned, starting, ready ones); never one holding a lease."""
     s = fleet.s
     all_banned = s.queued_jobs > 0 and len(s.banned_queued) == s.queued_jobs
 
     def rank(inst: Instance) -> tuple[int, str]:
+        if inst.state is InstanceState.STOPPING:
+            return -1, inst.instance_id
         if inst.instance_id in fleet.bad:
             return 0, inst.instance_id
         machine = fleet.machine(inst)
@@ -416,7 +434,7 @@ def _victims(fleet: _Fleet, count: int) -> list[str]:
             return 2, inst.instance_id
         return 3, inst.instance_id
 
-    idle = [i for i in fleet.live if not fleet.busy(i) and i.instance_id not in fleet.moving]
+    idle = [i for i in fleet.counted if not fleet.busy(i) and i.instance_id not in fleet.moving]
     return [i.instance_id for i in sorted(idle, key=rank)[: max(count, 0)]]
 
 
@@ -424,18 +442,33 @@ def _scale(fleet: _Fleet, stranded_extra: int) -> list[Decision]:
     s, c = fleet.s, fleet.c
     current = s.replicas
     work = s.queued_jobs + s.running_jobs
-    desired = min(max(work, c.min_replicas), c.max_replicas)
+    # A bad node left in place (the reallocation rate limit) is quarantined by the scheduler
+    # and serves nothing: while jobs queue, it does not count as capacity.
+    quarantined = sum(
+        1
+        for i in fleet.live
+        if i.instance_id in fleet.bad - fleet.moving and not fleet.held_off(i.instance_id)
+    )
+    extra = quarantined if s.queued_jobs > 0 else 0
+    desired = min(max(work, c.min_replicas) + extra, c.max_replicas)
     starting = sum(1 for i in fleet.live if i.state is InstanceState.STARTING)
+    stopping = len(fleet.counted) - len(fleet.live)
+    busy_seen = sum(1 for i in fleet.counted if fleet.busy(i))
     figures: dict[str, Figure] = {
         "queued": s.queued_jobs,
         "running": s.running_jobs,
         "replicas": current,
         "live_instances": len(fleet.live),
         "starting": starting,
+        "stopping": stopping,
+        "bad_held": quarantined,
+        "busy_instances": busy_seen,
         "min": c.min_replicas,
         "max": c.max_replicas,
     }
-    why = f"{s.queued_jobs} queued + {s.running_jobs} running jobs"
+    why = f"{s.queued_jobs} queued + {s.running_jobs} running jobs" + (
+        f" + {extra} bad node(s) held in place" if extra else ""
+    )
     if stranded_extra and desired <= current:
         desired = min(current + stranded_extra, c.max_replicas)
         why += ", and a queued job banned from every live node"
@@ -475,11 +508,28 @@ def _scale(fleet: _Fleet, stranded_extra: int) -> list[Decision]:
                 figures={**figures, "desired": desired},
             )
         ]
+    if s.running_jobs > busy_seen:
+        # A lease on a machine no listed instance joins (its machine id is not the provider's,
+        # or its instance is gone and the lease not yet expired): any instance might be it.
+        return [
+            Decision(
+                action=Action.HOLD,
+                target=FLEET,
+                reason=f"{why} wants {desired} replicas, but {s.running_jobs - busy_seen} running"
+                " job(s) are on no instance the provider lists (machine ids that do not join, or"
+                " a node gone whose lease has not expired): no scale-in until every busy node is"
+                " seen",
+                figures={**figures, "desired": desired, "unseen_busy": s.running_jobs - busy_seen},
+            )
+        ]
     target = max(desired, current - c.max_step)
-    need = max(0, len(fleet.live) - target)
+    # The provider removes (counted - replicas) instances, lowest deletion cost first: every
+    # one of them is named here, so that none is the provider's own pick among equals. Too few
+    # idle ones: the count falls only as far as the named ones reach, or not at all.
+    need = max(0, len(fleet.counted) - target)
     remove = _victims(fleet, need)
     if len(remove) < need:
-        target = len(fleet.live) - len(remove)
+        target = len(fleet.counted) - len(remove)
     if target >= current:
         return [
             Decision(
@@ -489,13 +539,15 @@ def _scale(fleet: _Fleet, stranded_extra: int) -> list[Decision]:
                 figures={**figures, "desired": desired},
             )
         ]
+    fleet.victims.update(remove)
     return [
         Decision(
             action=Action.SCALE,
             target=FLEET,
             replicas=target,
             remove=tuple(remove),
-            reason=f"{why}: {current} -> {target} replicas, removing idle instances only",
+            reason=f"{why}: {current} -> {target} replicas, removing idle instances only"
+            + (f" ({', '.join(remove)})" if remove else ""),
             figures={**figures, "desired": desired, "removed": len(remove)},
         )
     ]
@@ -503,13 +555,15 @@ def _scale(fleet: _Fleet, stranded_extra: int) -> list[Decision]:
 
 def _deletion_costs(fleet: _Fleet) -> list[Decision]:
     out = []
-    for inst in sorted(fleet.live, key=lambda i: i.instance_id):
-        if inst.deletion_cost is None or inst.instance_id in fleet.moving:
+    for inst in sorted(fleet.counted, key=lambda i: i.instance_id):
+        if inst.deletion_cost is None or inst.instance_id in fleet.moving | fleet.victims:
             continue
         busy = fleet.busy(inst)
         want = fleet.c.busy_deletion_cost if busy else fleet.c.idle_deletion_cost
         if inst.deletion_cost == want:
             continue
+        if not busy and inst.state is InstanceState.STOPPING and inst.deletion_cost < want:
+            continue  # leaving anyway (a named victim at 0): the cheapest it may stay
         out.append(
             Decision(
                 action=Action.SET_DELETION_COST,

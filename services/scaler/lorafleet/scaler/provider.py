@@ -43,6 +43,9 @@ class InstanceState(enum.StrEnum):
 
 
 LIVE_STATES = frozenset({InstanceState.STARTING, InstanceState.RUNNING})
+# What a provider still counts against its replicas and may pick for a scale-in: a stopping
+# instance (reallocated, restarted, being removed) is one of them until it is gone.
+COUNTED_STATES = LIVE_STATES | {InstanceState.STOPPING}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -150,7 +150,9 @@ class SaladProvider:
     def __init__(self, config: SaladConfig, *, rng: random.Random | None = None) -> None:
         self._config = config
         self._rng = rng
-        self._service = _ContainerGroups(base_url=config.base_url)
+        # The SDK joins base URL and path as strings: "…/public/" + "/organizations" would
+        # name no container group at all.
+        self._service = _ContainerGroups(base_url=config.base_url.rstrip("/"))
         self._service.set_api_key(config.api_key)
         self._service.set_timeout(max(1, int(config.request_timeout_s * 1000)))
 

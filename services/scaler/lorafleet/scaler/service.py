@@ -10,9 +10,14 @@
   claimable, a lease ended). Tests drive `tick()` themselves.
 * **A tick**: a `Snapshot` from the provider (instances, replicas) and the ledger (nodes, their
   faults and pace, the work, the banned queued jobs, the scaler's own recent actions), then
-  `policy.decide`, then each decision is recorded as a ledger row (a HOLD repeated tick after
-  tick folds into one row) and carried out: on the provider (`actions.apply`) or, for
-  DROP_LEASE, in the ledger. The row then says whether it was applied, or why not.
+  `policy.decide`, then each decision is recorded as a ledger row (a HOLD this scaler repeats
+  from its previous tick folds into that tick's row) and carried out: on the provider
+  (`actions.apply`) or, for DROP_LEASE, in the ledger. The row then says whether it was
+  applied, or why not, and an applied action's time becomes the time it took effect (what
+  cooldowns count from). A scale-in is not tried in a tick where a busy node's deletion cost
+  could not be raised.
+* **`--once`** (`run_once`) waits for the lock at most `lock_wait_s`, then raises `LockHeld`
+  naming the holder (its lock session's application_name is `lorafleet-scaler:<id>`).
 * **A failing provider** never crashes the loop and never stands in for an empty fleet: if the
   snapshot cannot be read, nothing is decided; the failure is recorded and the next tick tries
   again. If an action fails because the provider is unavailable, the tick's remaining provider
@@ -79,6 +84,21 @@ class NotActive(LorafleetError):
     retryable = True
 
 
+class LockHeld(LorafleetError):
+    """Another scaler held the lock for the whole bounded wait (`--once` beside an active one)."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, holder: str | None) -> None:
+        super().__init__(message)
+        # The holding scaler's id as its session names it (None: not a lorafleet scaler's).
+        self.holder = holder
+
+
+# The lock session's application_name: who holds the lock can be read from pg_stat_activity.
+_APP_PREFIX = "lorafleet-scaler:"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Outcome:
     """What became of one decision."""
@@ -101,6 +121,13 @@ Report = Callable[[Outcome], None]
 def fold_key(decision: Decision) -> str:
     """A HOLD's reason with its figures blanked: the same hold, tick after tick."""
     return decision.action.value + ":" + re.sub(r"\d+(?:\.\d+)?", "#", decision.reason)
+
+
+def provider_fold_key(exc: ProviderError) -> str:
+    """A failed provider read, the same failure tick after tick: its kind and message with
+    counts blanked but HTTP statuses kept (a 401 and a later 404 are two incidents)."""
+    text = re.sub(r"(?<!HTTP )\b\d+(?:\.\d+)?", "#", str(exc))
+    return f"provider-failed:{type(exc).__name__}:{text}"[:2000]
 
 
 def describe(outcome: Outcome) -> str:
@@ -159,6 +186,10 @@ class Scaler(AsyncLifecycle):
         self._tick_lock = asyncio.Lock()
         self._run_task: asyncio.Task[None] | None = None
         self.ticks = 0
+        # The HOLD rows this scaler wrote on its previous tick, by (target, fold key): a HOLD
+        # folds into one of them, never into a row of another scaler or an older incident.
+        self._held_before: dict[tuple[str, str], int] = {}
+        self._held_now: dict[tuple[str, str], int] = {}
 
     # -- the lock ------------------------------------------------------------------------------
 
@@ -170,11 +201,15 @@ class Scaler(AsyncLifecycle):
     async def wait_active(self) -> None:
         await self._active.wait()
 
-    async def acquire(self) -> None:
-        """Blocks until this scaler is the active one (waits inside Postgres for the lock)."""
+    async def acquire(self, *, timeout_s: float | None = None) -> None:
+        """Blocks until this scaler is the active one (waits inside Postgres for the lock); with
+        `timeout_s`, at most that long for the lock itself, then `LockHeld` names its holder."""
         while self._conn is None:
             try:
-                conn = await asyncpg.connect(self._dsn)
+                conn = await asyncpg.connect(
+                    self._dsn,
+                    server_settings={"application_name": (_APP_PREFIX + self.scaler_id)[:63]},
+                )
             except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 log.warning("scaler lock connection failed; retrying", error=str(exc))
                 await asyncio.sleep(self._reconnect_delay_s)
@@ -185,7 +220,20 @@ class Scaler(AsyncLifecycle):
                 await conn.add_listener(WORK_CHANNEL, self._notified)
                 await conn.add_listener(LEASE_ENDED_CHANNEL, self._notified)
                 log.info("scaler waiting for the lock", scaler_id=self.scaler_id)
+                if timeout_s is not None:
+                    # Postgres bounds the wait itself (lock_timeout applies to advisory locks).
+                    await conn.execute(f"SET lock_timeout = {max(1, round(timeout_s * 1000))}")
                 await conn.execute("SELECT pg_advisory_lock($1)", SCALER_LOCK)
+                if timeout_s is not None:
+                    await conn.execute("RESET lock_timeout")
+            except asyncpg.LockNotAvailableError:
+                holder = await _lock_holder(conn)
+                await _close_quietly(conn)
+                raise LockHeld(
+                    f"scaler {self.scaler_id} waited {timeout_s:g} s for the scaler lock;"
+                    f" it is held by {holder.describe()}",
+                    holder=holder.scaler_id,
+                ) from None
             except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 log.warning("scaler lock connection lost while waiting", error=str(exc))
                 await _close_quietly(conn)
@@ -198,6 +246,7 @@ class Scaler(AsyncLifecycle):
                 await _close_quietly(conn)
                 continue
             self._conn, self._lost = conn, lost
+            self._held_before = {}
             self._active.set()
             metrics.ACTIVE.set(1)
             self._wake.set()  # look at the fleet at once
@@ -238,11 +287,12 @@ class Scaler(AsyncLifecycle):
 
     # -- the loop ------------------------------------------------------------------------------
 
-    async def run_once(self) -> list[Outcome]:
-        """One tick (after the lock, unless a dry run): `lorafleet scaler --once`."""
+    async def run_once(self, *, lock_wait_s: float | None = None) -> list[Outcome]:
+        """One tick (after the lock, unless a dry run): `lorafleet scaler --once`. With
+        `lock_wait_s`, `LockHeld` when another scaler keeps the lock that long."""
         self._run_task = asyncio.current_task()
         if not self.dry_run:
-            await self.acquire()
+            await self.acquire(timeout_s=lock_wait_s)
         return await self.tick()
 
     async def run(self) -> None:
@@ -366,29 +416,72 @@ class Scaler(AsyncLifecycle):
             await self._ensure_active()
             self.ticks += 1
             metrics.TICKS.inc()
-            now = self._clock()
+            self._held_now = {}
             try:
-                snapshot = await self.snapshot(now)
-            except ProviderError as exc:
-                log.warning("provider unavailable; nothing decided this tick", error=str(exc))
-                metrics.PROVIDER_FAILURES.inc()
-                return [await self._record_provider_failure(now, exc)]
-            outcomes: list[Outcome] = []
-            provider_down: str | None = None
-            for decision in decide(snapshot, self._policy):
-                outcome = await self._carry_out(decision, now, provider_down)
-                result = (
-                    "applied" if outcome.applied else "failed" if outcome.error else "not_applied"
-                )
-                metrics.DECISIONS.labels(decision.action.value, result).inc()
-                if outcome.error and outcome.error.startswith(_UNAVAILABLE):
-                    provider_down = outcome.error
-                outcomes.append(outcome)
-                if self._report is not None:
-                    self._report(outcome)
-            return outcomes
+                return await self._tick()
+            finally:
+                self._held_before, self._held_now = self._held_now, {}
 
-    async def _record_provider_failure(self, now: float, exc: ProviderError) -> Outcome:
+    async def _tick(self) -> list[Outcome]:
+        now = self._clock()
+        try:
+            snapshot = await self.snapshot(now)
+        except ProviderError as exc:
+            log.warning("provider unavailable; nothing decided this tick", error=str(exc))
+            metrics.PROVIDER_FAILURES.inc()
+            return [await self._record_provider_failure(exc)]
+        outcomes: list[Outcome] = []
+        provider_down: str | None = None
+        # A busy node whose deletion cost could not be raised may tie with the named victims:
+        # no scale-in this tick then.
+        unprotected: str | None = None
+        for decision in decide(snapshot, self._policy):
+            skip = provider_down
+            if (
+                skip is None
+                and unprotected is not None
+                and decision.action is Action.SCALE
+                and decision.replicas is not None
+                and decision.replicas < snapshot.replicas
+            ):
+                skip = f"busy instance {unprotected}'s deletion cost could not be raised"
+            outcome = await self._carry_out(decision, skip)
+            result = "applied" if outcome.applied else "failed" if outcome.error else "not_applied"
+            metrics.DECISIONS.labels(decision.action.value, result).inc()
+            if outcome.error and outcome.error.startswith(_UNAVAILABLE):
+                provider_down = outcome.error
+            if (
+                decision.action is Action.SET_DELETION_COST
+                and decision.deletion_cost == self._policy.busy_deletion_cost
+                and outcome.error is not None
+            ):
+                unprotected = decision.target
+            outcomes.append(outcome)
+            if self._report is not None:
+                self._report(outcome)
+        return outcomes
+
+    async def _record(self, d: Decision, key: str, error: str | None = None) -> tuple[int, bool]:
+        """The decision's ledger row, at the time it is written (a HOLD repeated from this
+        scaler's previous tick folds into that tick's row)."""
+        fold = (d.target, key) if d.action is Action.HOLD else None
+        decision_id, folded = await self._ledger.record_scaler_decision(
+            at=self._clock(),
+            scaler_id=self.scaler_id,
+            action=d.action.value,
+            target=d.target,
+            job_id=d.job_id,
+            reason=d.reason,
+            figures=d.figures,
+            fold_key=key,
+            error=error,
+            fold_into=None if fold is None else self._held_before.get(fold),
+        )
+        if fold is not None:
+            self._held_now[fold] = decision_id
+        return decision_id, folded
+
+    async def _record_provider_failure(self, exc: ProviderError) -> Outcome:
         hold = Decision(
             action=Action.HOLD,
             target=PROVIDER,
@@ -403,16 +496,8 @@ class Scaler(AsyncLifecycle):
             provider_failed=True,
         )
         if not self.dry_run:
-            decision_id, folded = await self._ledger.record_scaler_decision(
-                at=now,
-                scaler_id=self.scaler_id,
-                action=hold.action.value,
-                target=hold.target,
-                job_id=None,
-                reason=hold.reason,
-                figures=hold.figures,
-                fold_key=f"provider-failed:{type(exc).__name__}",
-                error=str(exc)[:4000],
+            decision_id, folded = await self._record(
+                hold, provider_fold_key(exc), error=str(exc)[:4000]
             )
             outcome = Outcome(
                 decision=hold,
@@ -426,24 +511,17 @@ class Scaler(AsyncLifecycle):
             self._report(outcome)
         return outcome
 
-    async def _carry_out(self, d: Decision, now: float, provider_down: str | None) -> Outcome:
+    async def _carry_out(self, d: Decision, skip: str | None) -> Outcome:
+        """Records the decision and carries it out, unless `skip` says why it is not tried (the
+        provider is down, or a scale-in would be unsafe)."""
         if self.dry_run:
             return Outcome(decision=d, applied=False, dry_run=True)
-        decision_id, folded = await self._ledger.record_scaler_decision(
-            at=now,
-            scaler_id=self.scaler_id,
-            action=d.action.value,
-            target=d.target,
-            job_id=d.job_id,
-            reason=d.reason,
-            figures=d.figures,
-            fold_key=fold_key(d) if d.action is Action.HOLD else "",
-        )
+        decision_id, folded = await self._record(d, fold_key(d) if d.action is Action.HOLD else "")
         if d.action is Action.HOLD:
             return Outcome(decision=d, applied=False, decision_id=decision_id, folded=folded)
         applied, error, provider_failed = False, None, False
-        if provider_down is not None and d.action is not Action.DROP_LEASE:
-            error, provider_failed = f"not tried: {provider_down}", True
+        if skip is not None and d.action is not Action.DROP_LEASE:
+            error, provider_failed = f"not tried: {skip}", True
         else:
             try:
                 await self._ensure_active()
@@ -458,8 +536,13 @@ class Scaler(AsyncLifecycle):
                 prefix = _UNAVAILABLE if exc.retryable else "refused"
                 error, provider_failed = f"{prefix}: {exc}", True
                 log.warning("scaler action failed", action=d.action.value, error=str(exc))
+        # An action's time is when it took effect (a call may retry for its whole deadline):
+        # cooldowns and hold-offs count from there, and `scaler-log` shows it.
         await self._ledger.finish_scaler_decision(
-            decision_id, applied=applied, error=None if error is None else error[:4000]
+            decision_id,
+            applied=applied,
+            error=None if error is None else error[:4000],
+            at=self._clock() if applied else None,
         )
         if applied:
             log.info(
@@ -510,6 +593,55 @@ class Scaler(AsyncLifecycle):
 
 
 _UNAVAILABLE = "provider unavailable"
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Holder:
+    scaler_id: str | None
+    application_name: str
+    client: str
+    pid: int | None
+    since: str
+
+    def describe(self) -> str:
+        if self.pid is None:
+            return "another session (gone by the time it was looked up)"
+        who = (
+            f"scaler {self.scaler_id!r}"
+            if self.scaler_id is not None
+            else f"a session named {self.application_name!r}"
+        )
+        return f"{who} (backend pid {self.pid}, from {self.client}, connected {self.since})"
+
+
+async def _lock_holder(conn: asyncpg.Connection) -> _Holder:
+    """Who holds the scaler lock, from the server's own view of its sessions (fields another
+    role's session hides, or a failed look-up, read as unknown)."""
+    unknown = _Holder(scaler_id=None, application_name="", client="", pid=None, since="")
+    try:
+        row = await conn.fetchrow(
+            "SELECT a.pid, coalesce(a.application_name, '') AS app,"
+            " coalesce(host(a.client_addr), 'a local socket') AS client,"
+            " coalesce(to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')"
+            " || ' UTC', 'at an unknown time') AS since"
+            " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND l.granted"
+            " AND ((l.classid::bigint << 32) | l.objid::bigint) = $1 LIMIT 1",
+            SCALER_LOCK,
+        )
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        log.warning("could not look up the scaler lock's holder", error=str(exc))
+        return unknown
+    if row is None:
+        return unknown
+    app = str(row["app"])
+    return _Holder(
+        scaler_id=app[len(_APP_PREFIX) :] if app.startswith(_APP_PREFIX) else None,
+        application_name=app,
+        client=str(row["client"]),
+        pid=int(row["pid"]),
+        since=str(row["since"]),
+    )
 
 
 async def _close_quietly(conn: asyncpg.Connection) -> None:

@@ -71,6 +71,19 @@ class SchedulerConfig(ServiceSettings):
     worker_message_burst: int = Field(
         100, ge=1, le=100_000, description="messages one worker stream may send at once"
     )
+    quarantine_fault_threshold: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="node faults within the quarantine window after which a machine is granted"
+        " nothing (keep it equal to the scaler's --fault-threshold)",
+    )
+    quarantine_window_s: float = Field(
+        3600.0,
+        gt=0,
+        le=7 * 86400.0,
+        description="seconds a node fault counts toward quarantine (the scaler's --fault-window-s)",
+    )
     checkpoint_retention: int = Field(
         3, ge=1, le=1000, description="checkpoints kept per running job (newest first)"
     )

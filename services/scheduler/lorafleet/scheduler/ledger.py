@@ -376,14 +376,31 @@ def checkpoint_from_row(row: asyncpg.Record) -> Checkpoint:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Quarantine:
+    """A machine with `threshold` node faults in the last `window_s` seconds is granted
+    nothing (no job, no sample task) until the window passes or the scaler replaces it."""
+
+    threshold: int = 3
+    window_s: float = 3600.0
+
+
 class Ledger:
     """All reads and writes of the job ledger. Create with `await Ledger.connect(url)`."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, quarantine: Quarantine | None = None) -> None:
         self._pool = pool
+        self.quarantine = quarantine or Quarantine()
 
     @classmethod
-    async def connect(cls, dsn: str, *, min_size: int = 2, max_size: int = 20) -> Ledger:
+    async def connect(
+        cls,
+        dsn: str,
+        *,
+        min_size: int = 2,
+        max_size: int = 20,
+        quarantine: Quarantine | None = None,
+    ) -> Ledger:
         try:
             pool = await asyncpg.create_pool(
                 dsn, min_size=min_size, max_size=max_size, init=_init_connection
@@ -394,7 +411,7 @@ class Ledger:
                 raise
             raise translated from exc
         assert pool is not None
-        return cls(pool)
+        return cls(pool, quarantine=quarantine)
 
     async def close(self) -> None:
         await self._pool.close()
@@ -583,9 +600,18 @@ class Ledger:
     async def claim_job(
         self, machine_id: str, vram_mb: int, lease_ttl_s: float, *, secret_sha256: bytes
     ) -> Job | None:
-        """Grants the best claimable job a new lease whose secret has this digest."""
+        """Grants the best claimable job a new lease whose secret has this digest; nothing to
+        a quarantined machine (`self.quarantine`)."""
+        q = self.quarantine
         row = await self._fetchrow(
-            "claim_job", machine_id, vram_mb, uuid.uuid4(), lease_ttl_s, secret_sha256
+            "claim_job",
+            machine_id,
+            vram_mb,
+            uuid.uuid4(),
+            lease_ttl_s,
+            secret_sha256,
+            q.threshold,
+            q.window_s,
         )
         return None if row is None else job_from_row(row)
 
@@ -689,8 +715,16 @@ class Ledger:
     async def claim_sample_task(
         self, machine_id: str, vram_mb: int, lease_ttl_s: float, *, secret_sha256: bytes
     ) -> SampleTask | None:
+        q = self.quarantine
         row = await self._fetchrow(
-            "claim_sample_task", machine_id, vram_mb, uuid.uuid4(), lease_ttl_s, secret_sha256
+            "claim_sample_task",
+            machine_id,
+            vram_mb,
+            uuid.uuid4(),
+            lease_ttl_s,
+            secret_sha256,
+            q.threshold,
+            q.window_s,
         )
         return None if row is None else sample_task_from_row(row)
 
@@ -994,8 +1028,10 @@ class Ledger:
         figures: Mapping[str, Any],
         fold_key: str = "",
         error: str | None = None,
+        fold_into: int | None = None,
     ) -> tuple[int, bool]:
-        """(row id, whether it folded into the target's newest row: a repeated HOLD)."""
+        """(row id, whether it folded into row `fold_into`: the same HOLD of the same scaler,
+        repeated from its previous tick, when that row is still the target's newest)."""
         row = await self._fetchrow(
             "record_scaler_decision",
             at,
@@ -1007,14 +1043,16 @@ class Ledger:
             dict(figures),
             fold_key,
             error,
+            fold_into,
         )
         assert row is not None
         return int(row["decision_id"]), bool(row["folded"])
 
     async def finish_scaler_decision(
-        self, decision_id: int, *, applied: bool, error: str | None
+        self, decision_id: int, *, applied: bool, error: str | None, at: float | None = None
     ) -> None:
-        await self._fetch("finish_scaler_decision", decision_id, applied, error)
+        """Records the outcome; `at` (epoch s): when an applied action took effect."""
+        await self._fetch("finish_scaler_decision", decision_id, applied, error, at)
 
     async def recent_scaler_actions(self, since: float) -> list[ScalerAction]:
         """What the scaler carried out since `since` (epoch seconds), oldest first."""

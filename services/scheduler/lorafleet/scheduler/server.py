@@ -32,7 +32,7 @@ from lorafleet.scheduler.auth import ApiKeyAuthenticator
 from lorafleet.scheduler.config import LocalStorage, SchedulerConfig
 from lorafleet.scheduler.database import EmbeddedPostgres, migrate
 from lorafleet.scheduler.job_handler import JobHandler
-from lorafleet.scheduler.ledger import Ledger
+from lorafleet.scheduler.ledger import Ledger, Quarantine
 from lorafleet.scheduler.metrics import LEDGER_UP, JobStateCollector
 from lorafleet.scheduler.notifications import Notifications
 from lorafleet.scheduler.servicers import JobServicer, WorkerServicer
@@ -137,7 +137,12 @@ class Scheduler(AsyncLifecycle):
             await conn.close()
         if not self.worker_token:
             self.worker_token = read_or_create_secret(cfg.data_dir / "worker-token")
-        self._ledger = await Ledger.connect(self.database_url)
+        self._ledger = await Ledger.connect(
+            self.database_url,
+            quarantine=Quarantine(
+                threshold=cfg.quarantine_fault_threshold, window_s=cfg.quarantine_window_s
+            ),
+        )
         self._storage = self._make_storage()
         await self._storage.start()
         self._notifications = Notifications(self.database_url)

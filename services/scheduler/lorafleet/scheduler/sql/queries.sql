@@ -126,7 +126,8 @@ SELECT * FROM canceled;
 -- One statement: pick the best claimable job for this machine, skipping rows other replicas
 -- hold locked, and grant it a new lease with the next epoch.
 -- $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl seconds, $5 sha256 of the lease's
--- secret (only the grant carries the secret itself).
+-- secret (only the grant carries the secret itself), $6 quarantine threshold (node faults),
+-- $7 quarantine window seconds.
 WITH candidate AS (
     SELECT j.job_id FROM jobs j
     WHERE j.state = 'QUEUED'
@@ -136,6 +137,12 @@ WITH candidate AS (
       -- without resuming it) gets no second until that one ends or expires.
       AND NOT EXISTS (SELECT 1 FROM jobs r WHERE r.machine_id = $1 AND r.state = 'RUNNING'
                       AND r.lease_expires_at > now())
+      -- Quarantine: a machine with $6 node faults in the last $7 s gets nothing until the
+      -- window passes (or the scaler replaces it: a new machine id starts clean), so a bad
+      -- node costs at most $6 failed attempts, not one per queued job.
+      AND (SELECT count(*) FROM leases q
+           WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
+             AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
     ORDER BY (j.epoch > 0) DESC, j.priority DESC, j.created_at, j.job_id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -644,19 +651,21 @@ LIMIT $1;
 
 -- name: record_scaler_decision
 -- $1 at (epoch s, the scaler's clock), $2 scaler id, $3 action, $4 target, $5 job, $6 reason,
--- $7 figures, $8 fold key, $9 error. A HOLD whose fold key equals the one of the target's
--- newest row (itself a HOLD) folds into it: one row however many ticks it repeats.
+-- $7 figures, $8 fold key, $9 error, $10 the row to fold into (NULL: none). A HOLD folds into
+-- row $10 only if that row is the target's newest, a HOLD of the same scaler with the same
+-- fold key: the scaler names it only when it wrote it on its previous tick, so one row stands
+-- for one run of identical consecutive decisions of one scaler, never for two incidents.
 -- Returns the row's id and whether it was folded.
 WITH newest AS (
-    SELECT decision_id, action, fold_key FROM scaler_decisions
+    SELECT decision_id, action, fold_key, scaler_id FROM scaler_decisions
     WHERE target = $4 ORDER BY decision_id DESC LIMIT 1
 ), folded AS (
     UPDATE scaler_decisions d
     SET last_at = to_timestamp($1), repeats = d.repeats + 1, reason = $6, figures = $7,
-        scaler_id = $2, error = $9
+        error = $9
     FROM newest n
-    WHERE d.decision_id = n.decision_id AND $3 = 'hold' AND n.action = 'hold'
-      AND n.fold_key = $8
+    WHERE d.decision_id = n.decision_id AND n.decision_id = $10::bigint
+      AND $3 = 'hold' AND n.action = 'hold' AND n.fold_key = $8 AND n.scaler_id = $2
     RETURNING d.decision_id
 ), inserted AS (
     INSERT INTO scaler_decisions (at, last_at, scaler_id, action, target, job_id, reason,
@@ -670,8 +679,13 @@ UNION ALL
 SELECT decision_id, false AS folded FROM inserted;
 
 -- name: finish_scaler_decision
--- $1 decision, $2 whether it was carried out, $3 the error if not.
-UPDATE scaler_decisions SET applied = $2, error = $3 WHERE decision_id = $1;
+-- $1 decision, $2 whether it was carried out, $3 the error if not, $4 when it took effect
+-- (epoch s; NULL: keep the time it was decided). Cooldowns count from this time.
+UPDATE scaler_decisions
+SET applied = $2, error = $3,
+    at = coalesce(to_timestamp($4::float8), at),
+    last_at = greatest(last_at, coalesce(to_timestamp($4::float8), last_at))
+WHERE decision_id = $1;
 
 -- name: recent_scaler_actions
 -- What the scaler carried out since $1 (epoch s): cooldowns, hold-offs and the reallocation
@@ -691,10 +705,14 @@ FROM scaler_decisions ORDER BY decision_id DESC LIMIT $1;
 
 -- name: claim_sample_task
 -- Like claim_job, for a worker that found no training job: the oldest claimable task, re-runs
--- first. $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl s, $5 sha256 of its secret.
+-- first. $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl s, $5 sha256 of its secret,
+-- $6 and $7 the quarantine (as claim_job's).
 WITH candidate AS (
     SELECT s.task_id FROM sample_tasks s JOIN jobs j USING (job_id)
     WHERE s.state = 'QUEUED' AND j.min_vram_mb <= $2 AND NOT ($1 = ANY (s.banned_machines))
+      AND (SELECT count(*) FROM leases q
+           WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
+             AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
     ORDER BY (s.epoch > 0) DESC, j.priority DESC, s.created_at, s.task_id
     LIMIT 1
     FOR UPDATE OF s SKIP LOCKED
