@@ -13,7 +13,7 @@ from lorafleet.app.main import build_parser
 from lorafleet.app.services import run_nodes, run_scaler, run_scaler_log
 from lorafleet.core.model import Machine, Qualification
 from lorafleet.core.spec import JobSpec
-from lorafleet.scheduler.ledger import Ledger, NewJob
+from lorafleet.ledger.ledger import Ledger, NewJob
 from tests.scaler.salad_double import SaladDouble
 
 pytestmark = pytest.mark.timeout(60)

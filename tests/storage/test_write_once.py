@@ -23,7 +23,7 @@ from lorafleet.core.errors import InvalidArgument, StorageError
 from lorafleet.core.model import Job, JobState, Progress
 from lorafleet.core.spec import JobSpec
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
-from lorafleet.scheduler.ledger import Ledger
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.signing import UrlSigner
 from lorafleet.scheduler.storage import (
     LocalObjectStore,

@@ -28,11 +28,11 @@ from lorafleet.core.settings import ConfigError
 from lorafleet.core.telemetry import MetricsServer
 from lorafleet.fleet.v1 import fleet_pb2, fleet_pb2_grpc
 from lorafleet.jobs.v1 import jobs_pb2, jobs_pb2_grpc
+from lorafleet.ledger.database import EmbeddedPostgres, migrate
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.auth import ApiKeyAuthenticator
 from lorafleet.scheduler.config import LocalStorage, SchedulerConfig
-from lorafleet.scheduler.database import EmbeddedPostgres, migrate
 from lorafleet.scheduler.job_handler import JobHandler
-from lorafleet.scheduler.ledger import Ledger
 from lorafleet.scheduler.metrics import LEDGER_UP, JobStateCollector
 from lorafleet.scheduler.notifications import Notifications
 from lorafleet.scheduler.servicers import JobServicer, WorkerServicer

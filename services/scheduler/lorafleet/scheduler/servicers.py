@@ -33,9 +33,9 @@ from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
+from lorafleet.ledger.ledger import LedgerError
 from lorafleet.scheduler.auth import ApiKeyAuthenticator, Principal, check_worker_token
 from lorafleet.scheduler.job_handler import JobHandler, Submission
-from lorafleet.scheduler.ledger import LedgerError
 from lorafleet.scheduler.sessions import WorkerSessions
 
 log = structlog.get_logger(__name__)

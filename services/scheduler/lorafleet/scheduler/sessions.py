@@ -66,8 +66,8 @@ from lorafleet.core.serde import (
     worker_text,
 )
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler import metrics
-from lorafleet.scheduler.ledger import Ledger
 from lorafleet.scheduler.notifications import LEASE_ENDED, WORK, Notifications
 from lorafleet.scheduler.signing import UrlSigner
 from lorafleet.scheduler.storage import ObjectStore

@@ -32,7 +32,7 @@ from lorafleet.core.model import (
 )
 from lorafleet.core.serde import checkpoint_to_proto, sample_slots, upload_slot_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
-from lorafleet.scheduler.ledger import Ledger
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.storage import ObjectStore, SignedUrl
 
 
