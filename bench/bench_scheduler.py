@@ -45,9 +45,9 @@ from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
+from lorafleet.ledger.database import migrate
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.auth import create_api_key
-from lorafleet.scheduler.database import migrate
-from lorafleet.scheduler.ledger import Ledger
 from lorafleet.scheduler.storage import LocalObjectStore, LocalStoreConfig
 
 TOKEN = "bench-token"

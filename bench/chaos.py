@@ -53,12 +53,12 @@ from lorafleet.core.model import upload_key
 from lorafleet.core.webhooks import DELIVERY_HEADER, MESSAGE_ID_PREFIX
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
+from lorafleet.ledger.database import migrate
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scaler.local import LocalProcessProvider
 from lorafleet.scaler.policy import PolicyConfig
 from lorafleet.scaler.service import Scaler
 from lorafleet.scheduler.auth import create_api_key
-from lorafleet.scheduler.database import migrate
-from lorafleet.scheduler.ledger import Ledger
 from lorafleet.scheduler.storage import LocalObjectStore, LocalStoreConfig
 
 log = structlog.get_logger("bench.chaos")

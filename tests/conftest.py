@@ -16,8 +16,8 @@ import asyncpg
 import pytest
 
 from lorafleet.core.telemetry import configure_logging
-from lorafleet.scheduler.database import EmbeddedPostgres, migrate
-from lorafleet.scheduler.ledger import Ledger
+from lorafleet.ledger.database import EmbeddedPostgres, migrate
+from lorafleet.ledger.ledger import Ledger
 
 DEFAULT_TEST_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 

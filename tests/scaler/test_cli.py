@@ -14,10 +14,10 @@ from lorafleet.app.main import build_parser
 from lorafleet.app.services import run_nodes, run_scaler, run_scaler_log
 from lorafleet.core.model import Machine, Qualification
 from lorafleet.core.spec import JobSpec
+from lorafleet.ledger.ledger import Ledger, NewJob
 from lorafleet.scaler.policy import PolicyConfig
 from lorafleet.scaler.salad import SaladConfig, SaladProvider
 from lorafleet.scaler.service import Scaler
-from lorafleet.scheduler.ledger import Ledger, NewJob
 from tests.scaler.salad_double import SaladDouble
 
 pytestmark = pytest.mark.timeout(60)

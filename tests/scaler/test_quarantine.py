@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lorafleet.core.model import FailureClass
-from lorafleet.scheduler.ledger import Ledger, Quarantine
+from lorafleet.ledger.ledger import Ledger, Quarantine
 from tests.scaler.test_cli import _job
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,12 +20,12 @@ import pytest
 
 from lorafleet.core.model import upload_key
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scaler.policy import Action, PolicyConfig
 from lorafleet.scaler.provider import Instance
 from lorafleet.scaler.salad import SaladConfig, SaladProvider
 from lorafleet.scaler.service import SCALER_LOCK, NotActive, Outcome, Scaler
 from lorafleet.scheduler.auth import create_api_key
-from lorafleet.scheduler.ledger import Ledger
 from lorafleet.scheduler.server import Scheduler
 from tests.scaler.fleet_sim import (
     FleetSim,

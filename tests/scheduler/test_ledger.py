@@ -20,7 +20,7 @@ from lorafleet.core.model import (
     checkpoint_key,
 )
 from lorafleet.core.spec import JobSpec
-from lorafleet.scheduler.ledger import (
+from lorafleet.ledger.ledger import (
     QUERIES,
     ApiKeyInfo,
     LeaseRecord,

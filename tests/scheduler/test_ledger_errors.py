@@ -20,8 +20,8 @@ import grpc
 import pytest
 
 from lorafleet.core.errors import LedgerUnavailable, LorafleetError
-from lorafleet.scheduler import ledger as ledger_module
-from lorafleet.scheduler.ledger import Ledger, LedgerError, translate_error
+from lorafleet.ledger import ledger as ledger_module
+from lorafleet.ledger.ledger import Ledger, LedgerError, translate_error
 from tests.scheduler.conftest import Fleet
 from tests.scheduler.test_ledger import new_job
 

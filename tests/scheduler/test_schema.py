@@ -15,9 +15,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from lorafleet.scheduler import ledger as ledger_module
-from lorafleet.scheduler.database import MIGRATION_LOG, catalog, migrate, migrations, schema_sql
-from lorafleet.scheduler.ledger import QUERIES
+from lorafleet.ledger import ledger as ledger_module
+from lorafleet.ledger.database import MIGRATION_LOG, catalog, migrate, migrations, schema_sql
+from lorafleet.ledger.ledger import QUERIES
 from tests.conftest import with_database
 
 

@@ -29,8 +29,8 @@ from lorafleet.core.model import upload_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.auth import create_api_key
-from lorafleet.scheduler.ledger import Ledger
 from lorafleet.scheduler.storage import LocalObjectStore, LocalStoreConfig
 from tests.scheduler.harness import UserClient, connect_worker, spec
 

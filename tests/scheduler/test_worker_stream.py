@@ -13,7 +13,7 @@ import pytest
 from lorafleet.core.model import Job, checkpoint_key, result_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
-from lorafleet.scheduler.ledger import Ledger
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.signing import UrlSigner
 from tests.scheduler.conftest import Fleet
 from tests.scheduler.harness import connect_worker

@@ -23,7 +23,7 @@ from lorafleet.core.errors import InvalidArgument, StorageError
 from lorafleet.core.model import Job, JobState, Progress
 from lorafleet.core.spec import JobSpec
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
-from lorafleet.scheduler.ledger import Ledger
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.signing import UrlSigner
 from lorafleet.scheduler.storage import (
     LocalObjectStore,
@@ -404,7 +404,7 @@ async def test_the_signer_binds_a_leases_put_urls_to_it_and_keeps_them_short(
     signer = UrlSigner(
         storage=leased, ledger=cast(Ledger, _NoCheckpoints()), url_ttl_s=3600, lease_put_ttl_s=120
     )
-    # What WorkerSessions renews a lease's URLs by: the lifetime of its PUT URLs.
+    # What WorkerHandler renews a lease's URLs by: the lifetime of its PUT URLs.
     assert signer.lease_urls_ttl_s == 120
     job = _job()
     urls = await signer.lease_urls(job)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -342,7 +343,9 @@ def event_from_proto(msg: pb.JobEvent) -> JobEvent:
 
 
 # Worker messages (WorkerService.Connect) ------------------------------------------------------
-# Every check of a worker's message lives here: the sessions act only on values that passed.
+# Every check of a worker's message that needs no lease lives here; the checks against the
+# sender's lease (its keys) are the `check_*` functions, which the worker handler calls. The
+# handler acts only on values that passed.
 
 _MACHINE_ID = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -460,6 +463,126 @@ def heartbeat_from_proto(hb: fpb.Heartbeat) -> HeartbeatReport:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class WorkerHello:
+    """A Hello, checked: the machine, its qualification, and what it asks to resume."""
+
+    machine: Machine
+    qualification: Qualification
+    session_token: str  # the previous stream's, when reconnecting; else ""
+    held_lease: LeaseRef | None
+    held_lease_secret: str
+
+
+def hello_from_proto(hello: fpb.Hello) -> WorkerHello:
+    machine = machine_from_hello(hello)
+    qualification = qualification_from_hello(hello)
+    held = None
+    if hello.held_lease.lease_id:
+        held = lease_ref_from_proto(hello.held_lease, "hello.held_lease")
+    return WorkerHello(
+        machine=machine,
+        qualification=qualification,
+        session_token=hello.session_token,
+        held_lease=held,
+        held_lease_secret=hello.held_lease_secret,
+    )
+
+
+# Upload URLs one UrlsRequested may ask for (a batch of images, or one checkpoint).
+MAX_SLOTS_PER_REQUEST = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class UrlsRequest:
+    lease: LeaseRef
+    # Kept as sent: the reply names each slot beside its URL, and each is checked against the
+    # job (upload_slot_key) when its URL is signed.
+    slots: tuple[fpb.UploadSlot, ...]
+
+
+def urls_request_from_proto(req: fpb.UrlsRequested) -> UrlsRequest:
+    ref = lease_ref_from_proto(req.lease, "urls_requested.lease")
+    if not 1 <= len(req.slots) <= MAX_SLOTS_PER_REQUEST:
+        raise InvalidArgument(
+            "urls_requested.slots", f"must hold 1 to {MAX_SLOTS_PER_REQUEST} slots"
+        )
+    return UrlsRequest(lease=ref, slots=tuple(req.slots))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointReport:
+    lease: LeaseRef
+    checkpoint: Checkpoint
+
+
+def checkpoint_report_from_proto(msg: fpb.CheckpointCommitted) -> CheckpointReport:
+    ref = lease_ref_from_proto(msg.lease, "checkpoint_committed.lease")
+    return CheckpointReport(lease=ref, checkpoint=checkpoint_from_commit(msg))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SuccessReport:
+    lease: LeaseRef
+    result: JobResult
+    step: int
+    loss: float | None
+
+
+def success_report_from_proto(msg: fpb.JobSucceeded) -> SuccessReport:
+    ref = lease_ref_from_proto(msg.lease, "job_succeeded.lease")
+    return SuccessReport(
+        lease=ref, result=result_from_success(msg), step=msg.step, loss=finite_or_none(msg.loss)
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureReport:
+    lease: LeaseRef
+    failure_class: FailureClass
+    message: str
+
+
+def failure_report_from_proto(msg: fpb.JobFailed) -> FailureReport:
+    ref = lease_ref_from_proto(msg.lease, "job_failed.lease")
+    failure_class = failure_class_from_proto(msg.failure_class, "job_failed.failure_class")
+    message = worker_text(msg.message, 4000) or "no message"
+    return FailureReport(lease=ref, failure_class=failure_class, message=message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrainingReport:
+    lease: LeaseRef | None  # None: an idle worker leaving
+    reason: str
+
+
+def draining_report_from_proto(msg: fpb.Draining) -> DrainingReport:
+    ref = lease_ref_from_proto(msg.lease, "draining.lease") if msg.lease.lease_id else None
+    return DrainingReport(lease=ref, reason=worker_text(msg.reason, 500))
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoticeReport:
+    lease: LeaseRef | None  # None: about no lease
+    message: str
+
+
+def notice_report_from_proto(msg: fpb.Notice) -> NoticeReport:
+    ref = lease_ref_from_proto(msg.lease, "notice.lease") if msg.lease.lease_id else None
+    return NoticeReport(lease=ref, message=worker_text(msg.message, 2000))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplesReport:
+    lease: LeaseRef
+    images: tuple[StoredImage, ...]
+
+
+def samples_report_from_proto(msg: fpb.SamplesStored) -> SamplesReport:
+    ref = lease_ref_from_proto(msg.lease, "samples_stored.lease")
+    return SamplesReport(lease=ref, images=tuple(stored_images_from_proto(msg)))
+
+
 def upload_slot_key(
     slot: fpb.UploadSlot, job_id: str, epoch: int, spec: JobSpec, field: str
 ) -> str:
@@ -500,15 +623,12 @@ def _check_object(field: str, size_bytes: int, sha256: str) -> None:
         raise InvalidArgument(f"{field}.sha256", "must be 64 lowercase hex digits")
 
 
-def checkpoint_from_commit(msg: fpb.CheckpointCommitted, job_id: str | None) -> Checkpoint:
-    """The checkpoint a CheckpointCommitted announces; its key is checked against `job_id`'s
-    (None: the sender holds no such lease, so only the fields are checked)."""
+def checkpoint_from_commit(msg: fpb.CheckpointCommitted) -> Checkpoint:
+    """The checkpoint a CheckpointCommitted announces, its fields checked; its key is checked
+    against the sender's lease by `check_checkpoint_key` (only a lease holder's is)."""
     if msg.step <= 0:
         raise InvalidArgument("checkpoint_committed.step", "must be positive")
     _check_object("checkpoint_committed", msg.size_bytes, msg.sha256)
-    expected = checkpoint_key(job_id or "", msg.step, msg.lease.epoch)
-    if job_id is not None and msg.key != expected:
-        raise InvalidArgument("checkpoint_committed.key", f"must be {expected!r}")
     return Checkpoint(
         step=msg.step,
         epoch=msg.lease.epoch,
@@ -518,35 +638,46 @@ def checkpoint_from_commit(msg: fpb.CheckpointCommitted, job_id: str | None) -> 
     )
 
 
-def result_from_success(
-    msg: fpb.JobSucceeded, job_id: str | None, output_format: str = "diffusers"
-) -> JobResult:
-    """The result a JobSucceeded announces (the key checked as in `checkpoint_from_commit`):
-    the file of the job's main format at its key, and with output_format both the kohya file
-    at its own; a kohya file the job did not ask for is refused."""
+def check_checkpoint_key(checkpoint: Checkpoint, job_id: str) -> None:
+    """A lease writes its checkpoint only at the one key of its job, step and epoch."""
+    expected = checkpoint_key(job_id, checkpoint.step, checkpoint.epoch)
+    if checkpoint.key != expected:
+        raise InvalidArgument("checkpoint_committed.key", f"must be {expected!r}")
+
+
+def result_from_success(msg: fpb.JobSucceeded) -> JobResult:
+    """The result a JobSucceeded announces, its fields checked: the file of the job's main
+    format and, with output_format both, the kohya file beside it. Its keys are checked against
+    the sender's lease by `check_result_keys`."""
     _check_object("job_succeeded", msg.size_bytes, msg.sha256)
-    main, *others = result_formats(output_format)
-    expected = result_key(job_id or "", msg.lease.epoch, main)
-    if job_id is not None and msg.key != expected:
-        raise InvalidArgument("job_succeeded.key", f"must be {expected!r}")
     kohya = None
     if msg.HasField("kohya"):
         _check_object("job_succeeded.kohya", msg.kohya.size_bytes, msg.kohya.sha256)
-        expected = result_key(job_id or "", msg.lease.epoch, "kohya")
-        if job_id is not None and "kohya" not in others:
-            raise InvalidArgument(
-                "job_succeeded.kohya", f"the job's output_format is {output_format}"
-            )
-        if job_id is not None and msg.kohya.key != expected:
-            raise InvalidArgument("job_succeeded.kohya.key", f"must be {expected!r}")
         if msg.kohya.HasField("kohya"):
             raise InvalidArgument("job_succeeded.kohya.kohya", "must be empty")
         kohya = JobResult(
             key=msg.kohya.key, size_bytes=msg.kohya.size_bytes, sha256=msg.kohya.sha256
         )
-    elif job_id is not None and others:
-        raise InvalidArgument("job_succeeded.kohya", "is required by output_format both")
     return JobResult(key=msg.key, size_bytes=msg.size_bytes, sha256=msg.sha256, kohya=kohya)
+
+
+def check_result_keys(result: JobResult, job_id: str, epoch: int, output_format: str) -> None:
+    """Each result file at its own key of the job and epoch, and exactly the files the job's
+    output_format asks for (a kohya file it did not ask for is refused)."""
+    main, *others = result_formats(output_format)
+    expected = result_key(job_id, epoch, main)
+    if result.key != expected:
+        raise InvalidArgument("job_succeeded.key", f"must be {expected!r}")
+    if result.kohya is not None:
+        if "kohya" not in others:
+            raise InvalidArgument(
+                "job_succeeded.kohya", f"the job's output_format is {output_format}"
+            )
+        expected = result_key(job_id, epoch, "kohya")
+        if result.kohya.key != expected:
+            raise InvalidArgument("job_succeeded.kohya.key", f"must be {expected!r}")
+    elif others:
+        raise InvalidArgument("job_succeeded.kohya", "is required by output_format both")
 
 
 def worker_text(value: str, max_chars: int) -> str:
@@ -586,23 +717,15 @@ def sample_slots(settings: SampleSettings) -> list[tuple[int, int]]:
     return [(p, i) for p in range(len(settings.prompts)) for i in range(settings.images_per_prompt)]
 
 
-def stored_images_from_proto(msg: fpb.SamplesStored, task: SampleTask | None) -> list[StoredImage]:
-    """The images a SamplesStored announces, each checked against the task's own keys (None:
-    the sender holds no such task, so only the fields are checked)."""
-    expected: dict[tuple[int, int], str] = {}
-    if task is not None:
-        expected = {
-            (p, i): sample_image_key(task.job_id, task.step, task.task_id, task.epoch, p, i)
-            for p, i in sample_slots(task.settings)
-        }
+def stored_images_from_proto(msg: fpb.SamplesStored) -> list[StoredImage]:
+    """The images a SamplesStored announces, their fields checked, none named twice; their keys
+    are checked against the sender's task by `check_stored_images`."""
     images: list[StoredImage] = []
     seen: set[tuple[int, int]] = set()
     for n, image in enumerate(msg.images):
         field = f"samples_stored.images[{n}]"
         _check_object(field, image.size_bytes, image.sha256)
         slot = (image.prompt_index, image.image_index)
-        if task is not None and expected.get(slot) != image.key:
-            raise InvalidArgument(f"{field}.key", "is not one of the task's image keys")
         if slot in seen:
             raise InvalidArgument(f"{field}", "names an image twice")
         seen.add(slot)
@@ -615,6 +738,19 @@ def stored_images_from_proto(msg: fpb.SamplesStored, task: SampleTask | None) ->
                 sha256=image.sha256,
             )
         )
-    if task is not None and seen != set(expected):
-        raise InvalidArgument("samples_stored.images", f"must name all {len(expected)} images")
     return images
+
+
+def check_stored_images(images: Sequence[StoredImage], task: SampleTask) -> None:
+    """Every image of the task, each at its own key, and no other."""
+    expected = {
+        (p, i): sample_image_key(task.job_id, task.step, task.task_id, task.epoch, p, i)
+        for p, i in sample_slots(task.settings)
+    }
+    for n, image in enumerate(images):
+        if expected.get((image.prompt_index, image.image_index)) != image.key:
+            raise InvalidArgument(
+                f"samples_stored.images[{n}].key", "is not one of the task's image keys"
+            )
+    if {(image.prompt_index, image.image_index) for image in images} != set(expected):
+        raise InvalidArgument("samples_stored.images", f"must name all {len(expected)} images")

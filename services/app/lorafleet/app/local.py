@@ -28,12 +28,12 @@ from pathlib import Path
 from lorafleet.cli.commands import watch
 from lorafleet.client import AsyncClient
 from lorafleet.core.settings import load
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scaler.config import ScalerSettings
 from lorafleet.scaler.local import LocalProcessProvider, detect_gpus
 from lorafleet.scaler.service import Scaler
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.config import SchedulerConfig
-from lorafleet.scheduler.ledger import Ledger
 from lorafleet.scheduler.server import Scheduler
 
 API_KEY_FILE = "api-key"

@@ -23,12 +23,12 @@ import asyncpg
 from lorafleet.core.settings import add_flags, load
 from lorafleet.core.telemetry import MetricsServer, configure_tracing
 from lorafleet.core.webhooks import standard_secret
+from lorafleet.ledger.database import EmbeddedPostgres, migrate
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scaler.config import ScalerSettings
 from lorafleet.scaler.service import LockHeld, Scaler, describe, provider_from_settings
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.config import SchedulerConfig
-from lorafleet.scheduler.database import EmbeddedPostgres, migrate
-from lorafleet.scheduler.ledger import Ledger
 from lorafleet.scheduler.server import Scheduler, tune_gc
 
 

@@ -46,6 +46,7 @@ import structlog
 from lorafleet.core.errors import LorafleetError, is_retryable
 from lorafleet.core.lifecycle import AsyncLifecycle
 from lorafleet.core.settings import ConfigError
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scaler import metrics
 from lorafleet.scaler.actions import apply
 from lorafleet.scaler.config import ScalerSettings
@@ -62,7 +63,6 @@ from lorafleet.scaler.policy import (
     decide,
 )
 from lorafleet.scaler.provider import Provider, ProviderError
-from lorafleet.scheduler.ledger import Ledger
 
 log = structlog.get_logger(__name__)
 

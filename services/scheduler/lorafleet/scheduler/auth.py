@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lorafleet.core.errors import InvalidArgument, Unauthenticated
-from lorafleet.scheduler.ledger import Ledger
+from lorafleet.ledger.ledger import Ledger
 
 _KEY = re.compile(r"lf_([a-z0-9]{12})_([A-Za-z0-9_-]{43})")
 OWNER_PATTERN = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")

@@ -17,7 +17,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from lorafleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from lorafleet.core.model import Job, JobEvent, JobState, SampleSettings, upload_key
 from lorafleet.core.spec import JobSpec, check_path, check_sample_settings
-from lorafleet.scheduler.ledger import Ledger, NewJob, WebhookDeliveryRecord
+from lorafleet.ledger.ledger import Ledger, NewJob, WebhookDeliveryRecord
 from lorafleet.scheduler.notifications import Notifications
 from lorafleet.scheduler.signing import Artifacts, UrlSigner
 from lorafleet.scheduler.storage import ObjectStore, SignedUrl

@@ -28,11 +28,13 @@ from lorafleet.core.settings import ConfigError
 from lorafleet.core.telemetry import MetricsServer
 from lorafleet.fleet.v1 import fleet_pb2, fleet_pb2_grpc
 from lorafleet.jobs.v1 import jobs_pb2, jobs_pb2_grpc
+from lorafleet.ledger.database import EmbeddedPostgres, migrate
+from lorafleet.ledger.ledger import Ledger, Quarantine
 from lorafleet.scheduler.auth import ApiKeyAuthenticator
+from lorafleet.scheduler.background import BackgroundTasks
 from lorafleet.scheduler.config import LocalStorage, SchedulerConfig
-from lorafleet.scheduler.database import EmbeddedPostgres, migrate
+from lorafleet.scheduler.dispatcher import Dispatcher
 from lorafleet.scheduler.job_handler import JobHandler
-from lorafleet.scheduler.ledger import Ledger, Quarantine
 from lorafleet.scheduler.metrics import LEDGER_UP, JobStateCollector
 from lorafleet.scheduler.notifications import Notifications
 from lorafleet.scheduler.servicers import JobServicer, WorkerServicer
@@ -46,6 +48,7 @@ from lorafleet.scheduler.storage import (
 )
 from lorafleet.scheduler.sweeper import Sweeper
 from lorafleet.scheduler.webhooks import AddressPolicy, WebhookSender
+from lorafleet.scheduler.worker_handler import WorkerHandler
 
 log = structlog.get_logger(__name__)
 
@@ -93,6 +96,8 @@ class Scheduler(AsyncLifecycle):
         self._storage: ObjectStore | None = None
         self._notifications: Notifications | None = None
         self._sessions: WorkerSessions | None = None
+        self._dispatcher: Dispatcher | None = None
+        self._worker_handler: WorkerHandler | None = None
         self._sweeper: Sweeper | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -173,21 +178,36 @@ class Scheduler(AsyncLifecycle):
                 leases=extended,
                 lease_ttl_s=cfg.lease_ttl_s,
             )
+        # The worker stream: the sessions remember, the dispatcher grants and revokes, the
+        # handler acts on each worker message (see the package docstring).
         self._sessions = WorkerSessions(
-            ledger=self._ledger,
-            storage=self._storage,
-            signer=signer,
-            sweeper=self._sweeper,
-            notifications=self._notifications,
-            scheduler_id=self.scheduler_id,
-            lease_ttl_s=cfg.lease_ttl_s,
-            heartbeat_interval_s=cfg.heartbeat_interval_s,
-            dispatch_interval_s=cfg.dispatch_interval_s,
             bounds=StreamBounds(
                 outbox_limit=cfg.worker_outbox_limit,
                 messages_per_s=cfg.worker_messages_per_s,
                 message_burst=cfg.worker_message_burst,
-            ),
+            )
+        )
+        background = BackgroundTasks()
+        self._dispatcher = Dispatcher(
+            ledger=self._ledger,
+            signer=signer,
+            sessions=self._sessions,
+            background=background,
+            notifications=self._notifications,
+            lease_ttl_s=cfg.lease_ttl_s,
+            dispatch_interval_s=cfg.dispatch_interval_s,
+        )
+        self._worker_handler = WorkerHandler(
+            ledger=self._ledger,
+            storage=self._storage,
+            signer=signer,
+            sweeper=self._sweeper,
+            sessions=self._sessions,
+            dispatcher=self._dispatcher,
+            background=background,
+            scheduler_id=self.scheduler_id,
+            lease_ttl_s=cfg.lease_ttl_s,
+            heartbeat_interval_s=cfg.heartbeat_interval_s,
         )
         webhook_policy = AddressPolicy.from_text(cfg.webhook_allowed_networks)
         handler = JobHandler(
@@ -220,7 +240,9 @@ class Scheduler(AsyncLifecycle):
         )
         fleet_pb2_grpc.add_WorkerServiceServicer_to_server(
             WorkerServicer(
-                self._sessions, worker_token=self.worker_token, hello_timeout_s=cfg.hello_timeout_s
+                self._worker_handler,
+                worker_token=self.worker_token,
+                hello_timeout_s=cfg.hello_timeout_s,
             ),
             server,
         )
@@ -249,7 +271,7 @@ class Scheduler(AsyncLifecycle):
         self._server = server
         for name in ("", *SERVICE_NAMES):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._tasks.append(asyncio.create_task(self._sessions.run(), name="dispatch"))
+        self._tasks.append(asyncio.create_task(self._dispatcher.run(), name="dispatch"))
         self._tasks.append(
             asyncio.create_task(self._sweeper.run(cfg.sweep_interval_s), name="sweeper")
         )
@@ -344,8 +366,8 @@ class Scheduler(AsyncLifecycle):
         if self._shutdown_started:
             return
         self._shutdown_started = True
-        if self._sessions is not None:
-            await self._sessions.shutdown()
+        if self._worker_handler is not None:
+            await self._worker_handler.shutdown()
         if self._metrics is not None:
             await self._metrics.close()
         if self._job_states is not None:

@@ -1,4 +1,7 @@
-"""Thin gRPC servicers: check the request, call one handler, map domain errors to status codes."""
+"""Thin gRPC servicers: decode the request, call one handler, map domain errors to status codes.
+
+JobService → `job_handler.JobHandler`; WorkerService.Connect → `worker_handler.WorkerHandler`.
+"""
 
 from __future__ import annotations
 
@@ -21,22 +24,32 @@ from lorafleet.core.errors import (
     Unauthenticated,
 )
 from lorafleet.core.serde import (
+    checkpoint_report_from_proto,
     checkpoint_to_proto,
+    draining_report_from_proto,
     event_to_proto,
+    failure_report_from_proto,
+    heartbeat_from_proto,
+    hello_from_proto,
     job_state_from_proto,
     job_to_proto,
+    notice_report_from_proto,
+    samples_report_from_proto,
     spec_from_proto,
+    success_report_from_proto,
     timestamp,
+    urls_request_from_proto,
 )
 from lorafleet.core.spec import JobSpec
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
+from lorafleet.ledger.ledger import LedgerError
 from lorafleet.scheduler.auth import ApiKeyAuthenticator, Principal, check_worker_token
 from lorafleet.scheduler.job_handler import JobHandler, Submission
-from lorafleet.scheduler.ledger import LedgerError
-from lorafleet.scheduler.sessions import WorkerSessions
+from lorafleet.scheduler.sessions import WorkerSession
+from lorafleet.scheduler.worker_handler import WorkerHandler
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -326,12 +339,49 @@ class JobServicer(pbgrpc.JobServiceServicer):
 
 
 class WorkerServicer(fgrpc.WorkerServiceServicer):
+    """The worker stream: checks the token and the Hello, then decodes each message (serde) and
+    calls one `WorkerHandler` method on domain values; replies queued on the session's outbox
+    are written back here."""
+
     def __init__(
-        self, sessions: WorkerSessions, *, worker_token: str, hello_timeout_s: float
+        self, handler: WorkerHandler, *, worker_token: str, hello_timeout_s: float
     ) -> None:
-        self._sessions = sessions
+        self._handler = handler
         self._worker_token = worker_token
         self._hello_timeout_s = hello_timeout_s
+
+    async def _receive(self, session: WorkerSession, request: fpb.ConnectRequest) -> None:
+        """One worker message; raises InvalidArgument for a malformed one, ResourceExhausted
+        past the stream's message rate."""
+        if not session.messages.take():
+            raise ResourceExhausted(
+                f"message: more than {session.bounds.messages_per_s:g} messages per second"
+            )
+        handler = self._handler
+        kind = request.WhichOneof("message")
+        if kind == "ready":
+            await handler.ready(session)
+        elif kind == "heartbeat":
+            await handler.heartbeat(session, heartbeat_from_proto(request.heartbeat))
+        elif kind == "urls_requested":
+            await handler.urls_requested(session, urls_request_from_proto(request.urls_requested))
+        elif kind == "checkpoint_committed":
+            report = checkpoint_report_from_proto(request.checkpoint_committed)
+            await handler.checkpoint_committed(session, report)
+        elif kind == "job_succeeded":
+            await handler.job_succeeded(session, success_report_from_proto(request.job_succeeded))
+        elif kind == "job_failed":
+            await handler.job_failed(session, failure_report_from_proto(request.job_failed))
+        elif kind == "draining":
+            await handler.draining(session, draining_report_from_proto(request.draining))
+        elif kind == "notice":
+            await handler.notice(session, notice_report_from_proto(request.notice))
+        elif kind == "samples_stored":
+            await handler.samples_stored(session, samples_report_from_proto(request.samples_stored))
+        elif kind == "hello":
+            raise InvalidArgument("hello", "sent twice on one stream")
+        else:
+            raise InvalidArgument("message", "empty or unknown message")
 
     async def Connect(  # type: ignore[override]  # writes with context.write, see below
         self,
@@ -344,7 +394,7 @@ class WorkerServicer(fgrpc.WorkerServiceServicer):
                 first = await anext(request_iterator)
             if first.WhichOneof("message") != "hello":
                 raise InvalidArgument("hello", "the first message on the stream must be Hello")
-            session = await self._sessions.open_session(first.hello)
+            session = await self._handler.connect(hello_from_proto(first.hello))
         except (TimeoutError, StopAsyncIteration):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "hello: not received in time")
         except Exception as exc:
@@ -355,11 +405,11 @@ class WorkerServicer(fgrpc.WorkerServiceServicer):
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    await self._sessions.handle(session, request)
+                    await self._receive(session, request)
             except Exception as exc:  # reported on the stream below
                 failure.append(exc)
             finally:
-                self._sessions.close_session(session)
+                self._handler.disconnected(session)
 
         reader = asyncio.create_task(read())
         try:
@@ -379,7 +429,7 @@ class WorkerServicer(fgrpc.WorkerServiceServicer):
                     break
                 write.result()
         finally:
-            self._sessions.close_session(session)
+            self._handler.disconnected(session)
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
         if session.overflowed:

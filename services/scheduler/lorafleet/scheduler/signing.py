@@ -32,7 +32,7 @@ from lorafleet.core.model import (
 )
 from lorafleet.core.serde import checkpoint_to_proto, sample_slots, upload_slot_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
-from lorafleet.scheduler.ledger import Ledger
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.storage import ObjectStore, SignedUrl
 
 
@@ -79,7 +79,7 @@ class UrlSigner:
     @property
     def lease_urls_ttl_s(self) -> int:
         """How long a set from `lease_urls` stays usable: its shortest URL, the result PUT.
-        Renew the set well before this (WorkerSessions renews at a third left)."""
+        Renew the set well before this (WorkerHandler renews at a third left)."""
         return self.lease_put_ttl_s
 
     # For a lease (the worker's side) ---------------------------------------------------------

@@ -14,8 +14,8 @@ from collections.abc import Collection
 import structlog
 
 from lorafleet.core.errors import is_retryable
+from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler import metrics
-from lorafleet.scheduler.ledger import Ledger
 from lorafleet.scheduler.storage import ObjectStore
 
 log = structlog.get_logger(__name__)

@@ -34,8 +34,8 @@ from yarl import URL
 from lorafleet.core.errors import InvalidArgument, is_retryable
 from lorafleet.core.retry import backoff_delay
 from lorafleet.core.webhooks import signed_headers
+from lorafleet.ledger.ledger import Ledger, WebhookDelivery
 from lorafleet.scheduler import metrics
-from lorafleet.scheduler.ledger import Ledger, WebhookDelivery
 from lorafleet.scheduler.notifications import WEBHOOK, Notifications
 
 log = structlog.get_logger(__name__)

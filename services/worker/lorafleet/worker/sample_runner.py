@@ -1,6 +1,6 @@
 """One sample task (issue 13), from grant to `SamplesStored`: the agent runs it like a lease.
 
-A sample task is a lease of its own kind (scheduler sessions.py): the agent drives a
+A sample task is a lease of its own kind (the scheduler's dispatcher.py): the agent drives a
 `SampleRunner` through the same surface as a `LeaseRunner` (`run`, `cancel`, `abort`, `drain`,
 `holds_lease`, `progress`, `terminal_message`), so heartbeats, revocation, rejection, drains and
 reconnects treat it the same way.

@@ -46,7 +46,7 @@ from lorafleet.core.spec import JobSpec
 
 
 def load_queries() -> dict[str, str]:
-    text = (importlib.resources.files("lorafleet.scheduler") / "sql" / "queries.sql").read_text()
+    text = (importlib.resources.files("lorafleet.ledger") / "sql" / "queries.sql").read_text()
     sections = re.split(r"^-- name: (\w+)\s*$", text, flags=re.MULTILINE)
     return {name: body.strip() for name, body in zip(sections[1::2], sections[2::2], strict=True)}
 

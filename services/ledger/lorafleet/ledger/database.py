@@ -3,7 +3,7 @@
 Migrations are plain ordered SQL files applied once each, under an advisory lock so that two
 replicas starting together do not race. `sql/schema.sql` is the schema they produce, written out
 in one file; `catalog()` describes a database's schema as text lines, so that two databases (one
-migrated, one built from schema.sql) can be compared: `python -m lorafleet.scheduler.database
+migrated, one built from schema.sql) can be compared: `python -m lorafleet.ledger.database
 catalog URL` prints it.
 """
 
@@ -24,7 +24,7 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-_SQL = importlib.resources.files("lorafleet.scheduler") / "sql"
+_SQL = importlib.resources.files("lorafleet.ledger") / "sql"
 _MIGRATIONS = _SQL / "migrations"
 # The migration log: bookkeeping of migrate(), not part of the schema.
 MIGRATION_LOG = "schema_migrations"
@@ -263,9 +263,9 @@ async def _print_catalog(url: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m lorafleet.scheduler.database catalog URL`: prints the database's catalog."""
+    """`python -m lorafleet.ledger.database catalog URL`: prints the database's catalog."""
     if len(argv) != 2 or argv[0] != "catalog":
-        print("usage: python -m lorafleet.scheduler.database catalog POSTGRES_URL", file=sys.stderr)
+        print("usage: python -m lorafleet.ledger.database catalog POSTGRES_URL", file=sys.stderr)
         return 2
     asyncio.run(_print_catalog(argv[1]))
     return 0

@@ -1,0 +1,521 @@
+"""WorkerService logic on domain values: the servicer decodes each worker message (serde) and
+calls one method here, which acts through the ledger and answers on the worker's session.
+
+Every message about a lease is fenced twice: by the stream (`WorkerSession.holds`: lease ids
+are not secret, and only the stream a lease was granted on may speak for it) and by the ledger
+(the lease and epoch must still be the job's). A message that fails either is refused with
+`Rejected`, and the worker drops the lease. Objects a worker announces (checkpoints, results,
+images) are recorded only once the store holds exactly what was announced.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import structlog
+from opentelemetry import trace
+
+from lorafleet.core.errors import AlreadyExists, StaleLease
+from lorafleet.core.model import FailureClass, Job, JobState, LeaseRef
+from lorafleet.core.serde import (
+    CheckpointReport,
+    DrainingReport,
+    FailureReport,
+    HeartbeatReport,
+    NoticeReport,
+    SamplesReport,
+    SuccessReport,
+    UrlsRequest,
+    WorkerHello,
+    check_checkpoint_key,
+    check_result_keys,
+    check_stored_images,
+    lease_ref_to_proto,
+)
+from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from lorafleet.ledger.ledger import Ledger
+from lorafleet.scheduler import metrics
+from lorafleet.scheduler.background import BackgroundTasks
+from lorafleet.scheduler.dispatcher import (
+    Dispatcher,
+    digest,
+    lease_attributes,
+    lease_proto,
+    trace_context,
+)
+from lorafleet.scheduler.sessions import ActiveLease, SessionState, WorkerSession, WorkerSessions
+from lorafleet.scheduler.signing import UrlSigner
+from lorafleet.scheduler.storage import ObjectStore
+from lorafleet.scheduler.sweeper import Sweeper
+
+log = structlog.get_logger(__name__)
+tracer = trace.get_tracer("lorafleet.scheduler")
+
+
+class WorkerHandler:
+    def __init__(
+        self,
+        *,
+        ledger: Ledger,
+        storage: ObjectStore,
+        signer: UrlSigner,
+        sweeper: Sweeper,
+        sessions: WorkerSessions,
+        dispatcher: Dispatcher,
+        background: BackgroundTasks,
+        scheduler_id: str,
+        lease_ttl_s: float,
+        heartbeat_interval_s: float,
+    ) -> None:
+        self._ledger = ledger
+        self._storage = storage
+        self._signer = signer
+        self._sweeper = sweeper
+        self._sessions = sessions
+        self._dispatcher = dispatcher
+        self._background = background
+        self._scheduler_id = scheduler_id
+        self._lease_ttl_s = lease_ttl_s
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._url_ttl_s = signer.lease_urls_ttl_s
+
+    # The stream opens and ends ----------------------------------------------------------------
+
+    async def connect(self, hello: WorkerHello) -> WorkerSession:
+        """A worker said Hello: its session, with its lease if it resumes one."""
+        machine = hello.machine
+        token = secrets.token_urlsafe(32)
+        session_sha256 = digest(token)
+        # The machine id is this stream's only if no other live stream holds it: a worker
+        # reconnecting presents its previous token; a stranger must wait out a lease TTL of
+        # the machine's silence (and so can never close a live worker's stream).
+        if not await self._ledger.claim_machine_session(
+            machine.machine_id,
+            presented_sha256=digest(hello.session_token) if hello.session_token else None,
+            new_sha256=session_sha256,
+            silent_s=self._lease_ttl_s,
+        ):
+            raise AlreadyExists(
+                f"hello.machine_id: machine {machine.machine_id!r} is held by another live"
+                " stream; reconnect with its session_token, or after"
+                f" {self._lease_ttl_s:g} s of its silence"
+            )
+        previous = self._sessions.get(machine.machine_id)
+        if previous is not None:
+            # The same machine reconnected before its old stream was noticed dead.
+            self.disconnected(previous)
+        await self._ledger.upsert_machine(machine, hello.qualification)
+        session = WorkerSession(
+            machine=machine, session_sha256=session_sha256, bounds=self._sessions.bounds
+        )
+        if not machine.qualified:
+            session.state = SessionState.UNQUALIFIED
+            log.warning(
+                "worker failed qualification; it gets no work",
+                machine_id=machine.machine_id,
+                detail=hello.qualification.detail,
+            )
+        self._sessions.add(session)
+        welcome = fpb.Welcome(
+            scheduler_id=self._scheduler_id,
+            heartbeat_interval_s=self._heartbeat_interval_s,
+            lease_ttl_s=self._lease_ttl_s,
+            session_token=token,
+        )
+        resumed: Job | None = None
+        if hello.held_lease is not None:
+            # Only the stream the lease was granted on was given its secret.
+            resumed = await self._ledger.resume_lease(
+                hello.held_lease.lease_id,
+                hello.held_lease.epoch,
+                machine.machine_id,
+                self._lease_ttl_s,
+                secret_sha256=digest(hello.held_lease_secret),
+            )
+        if resumed is not None and resumed.lease_id is not None:
+            session.state = SessionState.LEASED
+            session.lease = ActiveLease(
+                job_id=resumed.job_id,
+                lease_id=resumed.lease_id,
+                epoch=resumed.epoch,
+                owner=resumed.owner,
+                urls_expire_at=0.0,
+                traceparent=resumed.traceparent or "",
+                output_format=resumed.spec.output_format,
+            )
+            welcome.resumed_lease.CopyFrom(lease_proto(resumed, self._lease_ttl_s))
+            log.info("lease resumed", machine_id=machine.machine_id, job_id=resumed.job_id)
+        session.send(fpb.ConnectResponse(welcome=welcome))
+        if session.lease is not None:
+            await self._renew_urls(session)
+        log.info("worker connected", machine_id=machine.machine_id, vram_mb=machine.vram_mb)
+        return session
+
+    def disconnected(self, session: WorkerSession) -> None:
+        """The stream ended. A held lease stays until its TTL: the worker may come back."""
+        if session.state is SessionState.CLOSED:
+            return
+        if session.state is SessionState.DRAINING and session.lease is None:
+            # The worker said it is leaving and holds nothing: its machine id is free at once
+            # (a restarted `lorafleet up` waits no TTL for its own workers' ids).
+            self._background.spawn(
+                self._ledger.release_machine_session(
+                    session.machine.machine_id, session.session_sha256
+                ),
+                "release machine id",
+            )
+        self._sessions.close_session(session)
+
+    async def shutdown(self) -> None:
+        """This replica is stopping: its streams end, and workers reconnect (to another replica,
+        or to this one restarted) keeping their leases; they are not told to stop."""
+        for session in self._sessions.all():
+            self.disconnected(session)
+        await self._background.cancel_all()
+
+    # What a worker says -----------------------------------------------------------------------
+
+    async def ready(self, session: WorkerSession) -> None:
+        """The worker waits for work: it is offered some at once."""
+        if session.state not in (SessionState.CONNECTED, SessionState.IDLE, SessionState.LEASED):
+            return
+        if (abandoned := session.lease) is not None:
+            # Ended at once in the ledger, and the machine banned from the job: a stream
+            # holds one live lease at most, and cannot hoard jobs (or their image URLs)
+            # by saying Ready again and again.
+            session.lease = None
+            log.info(
+                "worker abandoned its lease by saying Ready",
+                machine_id=session.machine.machine_id,
+                job_id=abandoned.job_id,
+            )
+            await self._ledger.drop_lease(
+                session.machine.machine_id,
+                abandoned.job_id,
+                "the worker abandoned the lease (said Ready while holding it)",
+            )
+        session.state = SessionState.IDLE
+        self._background.spawn(self._dispatcher.offer(session), "offer")
+
+    async def notice(self, session: WorkerSession, notice: NoticeReport) -> None:
+        """Logged, and put on the job's timeline when it is about the lease this stream holds;
+        both rate-limited per stream (a flood costs neither log nor ledger)."""
+        if not session.notices.take():
+            session.notices_suppressed += 1
+            return
+        log.warning(
+            "worker notice",
+            machine_id=session.machine.machine_id,
+            lease_id=notice.lease.lease_id if notice.lease is not None else "",
+            message=notice.message,
+            suppressed_before=session.notices_suppressed,
+        )
+        session.notices_suppressed = 0
+        ref = notice.lease
+        training = session.lease is not None and session.lease.task is None
+        if ref is not None and session.holds(ref) and training:
+            await self._ledger.record_notice(ref.lease_id, ref.epoch, notice.message)
+
+    async def heartbeat(self, session: WorkerSession, hb: HeartbeatReport) -> None:
+        now = time.monotonic()
+        if now - session.last_seen_touch > self._heartbeat_interval_s:
+            # Keeps the machine id this stream's (see connect), leased or idle.
+            session.last_seen_touch = now
+            await self._ledger.touch_machine(session.machine.machine_id, session.session_sha256)
+        if hb.lease is None:
+            return
+        if not session.holds(hb.lease):
+            # Fenced by the stream, not only by (lease, epoch): lease ids are not secret.
+            self._reject(session, hb.lease, "not this stream's lease")
+            return
+        if session.lease is not None and session.lease.task is not None:
+            if not await self._ledger.heartbeat_sample_task(
+                hb.lease.lease_id, hb.lease.epoch, self._lease_ttl_s
+            ):
+                self._reject(session, hb.lease, "the sample task's lease is no longer live")
+            return
+        # The timeline gets at most one HEARTBEAT per half interval, however fast they come.
+        on_timeline = now - session.last_timeline_heartbeat >= self._heartbeat_interval_s / 2
+        if on_timeline:
+            session.last_timeline_heartbeat = now
+        alive = await self._ledger.heartbeat(
+            hb.lease.lease_id,
+            hb.lease.epoch,
+            self._lease_ttl_s,
+            step=hb.step,
+            loss=hb.loss,
+            learning_rate=hb.learning_rate,
+            seconds_per_step=hb.seconds_per_step,
+            on_timeline=on_timeline,
+        )
+        if not alive:
+            self._reject(session, hb.lease, "the lease is no longer the job's")
+            return
+        lease = session.lease
+        # Renew URLs once a third of their life is left, so uploads never meet an expired one.
+        renew = lease is not None and lease.urls_expire_at - now < self._url_ttl_s / 3
+        if renew and session.holds(hb.lease):
+            await self._renew_urls(session)
+
+    async def urls_requested(self, session: WorkerSession, req: UrlsRequest) -> None:
+        try:
+            job = await self._live_lease(session, req.lease)
+        except StaleLease as exc:
+            self._reject(session, req.lease, str(exc))
+            return
+        urls = await self._signer.slot_urls(job, req.slots)
+        session.send(
+            fpb.ConnectResponse(
+                urls_renewed=fpb.UrlsRenewed(lease=lease_ref_to_proto(req.lease), urls=urls)
+            )
+        )
+
+    async def checkpoint_committed(self, session: WorkerSession, msg: CheckpointReport) -> None:
+        """A checkpoint stored under this stream's training lease: verified, then recorded."""
+        ref, checkpoint = msg.lease, msg.checkpoint
+        lease = session.lease if session.holds(ref) else None
+        if lease is not None and lease.task is not None:
+            lease = None  # a sample task's lease commits no checkpoint
+        if lease is None:
+            self._reject(session, ref, "not this stream's lease")
+            return
+        check_checkpoint_key(checkpoint, lease.job_id)
+        if checkpoint.step in lease.announced_steps:
+            return
+        lease.announced_steps.add(checkpoint.step)
+        with tracer.start_as_current_span(
+            "scheduler.commit_checkpoint",
+            context=trace_context(lease.traceparent),
+            attributes=lease_attributes(lease, session, step=checkpoint.step),
+        ) as span:
+            if not await self._stored_as_announced(
+                session, ref, checkpoint.key, checkpoint.size_bytes, checkpoint.sha256
+            ):
+                span.set_attribute("lorafleet.refused", True)
+                return
+            if not await self._ledger.commit_checkpoint(ref.lease_id, ref.epoch, checkpoint):
+                span.set_attribute("lorafleet.refused", True)
+                self._reject(session, ref, "the lease is no longer the job's")
+                return
+        metrics.CHECKPOINTS.inc()
+        metrics.CHECKPOINT_BYTES.inc(checkpoint.size_bytes)
+        log.info(
+            "checkpoint committed",
+            job_id=lease.job_id,
+            lease_id=lease.lease_id,
+            machine_id=session.machine.machine_id,
+            step=checkpoint.step,
+        )
+        self._background.spawn(self._sweeper.prune_checkpoints(lease.job_id), "prune checkpoints")
+
+    async def job_succeeded(self, session: WorkerSession, msg: SuccessReport) -> None:
+        ref, result = msg.lease, msg.result
+        lease = session.lease if session.holds(ref) else None
+        if lease is not None and lease.task is not None:
+            lease = None  # a sample task's lease stores no result
+        if lease is None:
+            self._reject(session, ref, "not this stream's lease")
+            return
+        check_result_keys(result, lease.job_id, ref.epoch, lease.output_format)
+        with tracer.start_as_current_span(
+            "scheduler.job_succeeded",
+            context=trace_context(lease.traceparent),
+            attributes=lease_attributes(lease, session, step=msg.step),
+        ) as span:
+            for stored in result.files.values():
+                if not await self._stored_as_announced(
+                    session, ref, stored.key, stored.size_bytes, stored.sha256
+                ):
+                    span.set_attribute("lorafleet.refused", True)
+                    return
+            # Cleared before the ledger call: its NOTIFY must not revoke what the worker just
+            # finished.
+            session.lease = None
+            session.state = SessionState.CONNECTED
+            job = await self._ledger.succeed_job(
+                ref.lease_id, ref.epoch, result, step=msg.step, loss=msg.loss
+            )
+            if job is None:
+                span.set_attribute("lorafleet.refused", True)
+                self._reject(session, ref, "the lease is no longer the job's")
+                return
+        metrics.SUCCEEDED.inc()
+        log.info("job succeeded", job_id=job.job_id, machine_id=session.machine.machine_id)
+        self._background.spawn(self._sweeper.prune_checkpoints(job.job_id), "delete checkpoints")
+
+    async def job_failed(self, session: WorkerSession, msg: FailureReport) -> None:
+        ref = msg.lease
+        if not session.holds(ref):
+            self._reject(session, ref, "not this stream's lease")
+            return
+        if session.lease is not None and session.lease.task is not None:
+            await self._sample_task_failed(session, ref, msg.failure_class, msg.message)
+            return
+        session.lease = None
+        session.state = SessionState.CONNECTED
+        job = await self._ledger.fail_attempt(
+            ref.lease_id, ref.epoch, msg.failure_class, msg.message
+        )
+        if job is None:
+            self._reject(session, ref, "the lease is no longer the job's")
+            return
+        metrics.ATTEMPT_FAILURES.labels(msg.failure_class.value).inc()
+        if job.state is JobState.QUEUED:
+            metrics.REQUEUES.labels("failed_attempt").inc()
+        log.warning(
+            "attempt failed",
+            job_id=job.job_id,
+            machine_id=session.machine.machine_id,
+            failure_class=msg.failure_class.value,
+            job_state=job.state.value,
+            error=msg.message,
+        )
+        if job.state is JobState.FAILED:
+            self._background.spawn(
+                self._sweeper.prune_checkpoints(job.job_id), "delete checkpoints"
+            )
+
+    async def draining(self, session: WorkerSession, msg: DrainingReport) -> None:
+        """The worker is leaving: it gets no more work, and its lease goes back to the queue at
+        once (without waiting out the TTL)."""
+        session.state = SessionState.DRAINING
+        metrics.DRAINS.inc()
+        ref = msg.lease
+        if ref is None:
+            return
+        if not session.holds(ref):
+            self._reject(session, ref, "not this stream's lease")
+            return
+        if session.lease is not None and session.lease.task is not None:
+            session.lease = None
+            if not await self._ledger.drain_sample_task(ref.lease_id, ref.epoch):
+                self._reject(session, ref, "the sample task's lease is no longer live")
+            return
+        session.lease = None
+        job = await self._ledger.drain_lease(ref.lease_id, ref.epoch, msg.reason)
+        if job is None:
+            self._reject(session, ref, "the lease is no longer the job's")
+            return
+        metrics.REQUEUES.labels("drained").inc()
+        log.info(
+            "lease drained; job re-queued", job_id=job.job_id, machine_id=session.machine.machine_id
+        )
+
+    async def samples_stored(self, session: WorkerSession, msg: SamplesReport) -> None:
+        """A sample task's images, each verified in the store, end the task."""
+        ref, images = msg.lease, msg.images
+        lease = session.lease if session.holds(ref) else None
+        task = lease.task if lease is not None else None
+        if lease is None or task is None:
+            self._reject(session, ref, "not this stream's sample task")
+            return
+        check_stored_images(images, task)
+        for image in images:
+            if not await self._stored_as_announced(
+                session, ref, image.key, image.size_bytes, image.sha256
+            ):
+                return
+        session.lease = None
+        session.state = SessionState.CONNECTED
+        done = await self._ledger.complete_sample_task(ref.lease_id, ref.epoch, list(images))
+        if done is None:
+            self._reject(session, ref, "the sample task's lease is no longer live")
+            return
+        metrics.SAMPLE_TASKS.labels("succeeded").inc()
+        log.info(
+            "validation images stored",
+            job_id=done.job_id,
+            task_id=done.task_id,
+            step=done.step,
+            images=len(images),
+            machine_id=session.machine.machine_id,
+        )
+        # A checkpoint held back for this task may go now.
+        self._background.spawn(self._sweeper.prune_checkpoints(done.job_id), "prune checkpoints")
+
+    # Helpers ----------------------------------------------------------------------------------
+
+    def _reject(self, session: WorkerSession, ref: LeaseRef, reason: str) -> None:
+        metrics.STALE_REJECTIONS.inc()
+        log.info(
+            "stale worker message refused",
+            machine_id=session.machine.machine_id,
+            lease_id=ref.lease_id,
+            epoch=ref.epoch,
+            reason=reason,
+        )
+        if session.holds(ref):
+            session.lease = None
+            if session.state is SessionState.LEASED:
+                session.state = SessionState.CONNECTED
+        session.send(
+            fpb.ConnectResponse(rejected=fpb.Rejected(lease=lease_ref_to_proto(ref), reason=reason))
+        )
+
+    async def _live_lease(self, session: WorkerSession, ref: LeaseRef) -> Job:
+        """The job, if `ref` is its live lease; else refuse the message (fencing)."""
+        training = session.lease is not None and session.lease.task is None
+        job_id = session.lease.job_id if session.holds(ref) and session.lease and training else None
+        job = await self._ledger.get_job_any_owner(job_id) if job_id else None
+        if job is None or job.lease_id != ref.lease_id or job.epoch != ref.epoch:
+            raise StaleLease(f"lease {ref.lease_id} epoch {ref.epoch} is not live")
+        return job
+
+    async def _stored_as_announced(
+        self, session: WorkerSession, ref: LeaseRef, key: str, size_bytes: int, sha256: str
+    ) -> bool:
+        """The ledger records an object only once the store holds exactly what was announced
+        (DESIGN.md: "Stored bytes are write-once"); else the message is refused."""
+        if await self._storage.verify(key, size_bytes=size_bytes, sha256=sha256):
+            return True
+        log.warning(
+            "announced object does not match what is stored; refused",
+            machine_id=session.machine.machine_id,
+            lease_id=ref.lease_id,
+            key=key,
+        )
+        self._reject(session, ref, f"the stored object {key} does not match its size and sha256")
+        return False
+
+    async def _sample_task_failed(
+        self, session: WorkerSession, ref: LeaseRef, failure_class: FailureClass, message: str
+    ) -> None:
+        session.lease = None
+        session.state = SessionState.CONNECTED
+        task = await self._ledger.fail_sample_task(ref.lease_id, ref.epoch, failure_class, message)
+        if task is None:
+            self._reject(session, ref, "the sample task's lease is no longer live")
+            return
+        metrics.SAMPLE_TASKS.labels("failed" if task.state == "FAILED" else "requeued").inc()
+        log.warning(
+            "sample task attempt failed; its job is not affected",
+            job_id=task.job_id,
+            task_id=task.task_id,
+            machine_id=session.machine.machine_id,
+            failure_class=failure_class.value,
+            task_state=task.state,
+            error=message,
+        )
+        if task.state == "FAILED":
+            self._background.spawn(
+                self._sweeper.prune_checkpoints(task.job_id), "prune checkpoints"
+            )
+
+    async def _renew_urls(self, session: WorkerSession) -> None:
+        """Fresh URLs for a training lease (after a resume, or a third of their life left)."""
+        lease = session.lease
+        if lease is None or lease.task is not None:
+            return
+        job = await self._ledger.get_job_any_owner(lease.job_id)
+        if job is None or job.lease_id != lease.lease_id:
+            return
+        urls = await self._signer.lease_urls(job)
+        lease.urls_expire_at = time.monotonic() + self._url_ttl_s
+        session.send(
+            fpb.ConnectResponse(
+                urls_renewed=fpb.UrlsRenewed(
+                    lease=fpb.LeaseRef(lease_id=lease.lease_id, epoch=lease.epoch), urls=urls
+                )
+            )
+        )
