@@ -4,6 +4,7 @@ for the machine it names, and only from the operator's own container groups and 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime
 import json
@@ -12,6 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import asyncpg
+import grpc
 import jwt
 import pytest
 from aiohttp import web
@@ -23,12 +26,16 @@ from cryptography.x509.oid import NameOID
 from lorafleet.core.errors import Unauthenticated
 from lorafleet.core.identity import local_identity_token
 from lorafleet.core.model import IdentityProof
+from lorafleet.fleet.v1 import fleet_pb2 as fpb
+from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
 from lorafleet.scheduler.identity import (
     Ec2IdentityVerifier,
     IdentityVerifiers,
     LocalIdentityVerifier,
     SaladIdentityVerifier,
 )
+from tests.scheduler.conftest import WORKER_TOKEN, Fleet
+from tests.scheduler.harness import WAIT_S, ScriptedWorker
 
 GROUP = "8e6c3f1a-1b2c-4d5e-8f90-123456789abc"
 MACHINE = "0f3b6c2e-5d4a-4b7c-9e8f-abcdef012345"
@@ -250,3 +257,91 @@ async def test_a_proof_of_a_kind_the_scheduler_does_not_take_is_refused(jwks: Jw
         await IdentityVerifiers().verify(MACHINE, IdentityProof(salad_jwt=jwks.token("k1")))
     with pytest.raises(Unauthenticated, match="no proof"):
         await IdentityVerifiers().verify(MACHINE, IdentityProof())
+
+
+# On the worker stream -------------------------------------------------------------------------
+
+
+async def _hello(
+    channel: grpc.aio.Channel, machine_id: str, identity: fpb.ProviderIdentity | None = None
+) -> ScriptedWorker:
+    call = fgrpc.WorkerServiceStub(channel).Connect(
+        metadata=(("authorization", f"Bearer {WORKER_TOKEN}"),)
+    )
+    worker = ScriptedWorker(machine_id=machine_id, call=call)
+    hello = fpb.Hello(
+        machine_id=machine_id,
+        gpu_model="NVIDIA H200",
+        vram_mb=81_920,
+        qualification=fpb.Qualification(passed=True, detail="scripted"),
+        version="test",
+    )
+    if identity is not None:
+        hello.identity.CopyFrom(identity)
+    await worker.send(hello=hello)
+    return worker
+
+
+async def _refusal(worker: ScriptedWorker) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await worker.expect("welcome")
+    return refused.value
+
+
+async def _identity_of(fleet: Fleet, machine_id: str) -> str:
+    (node,) = await fleet.scheduler.ledger.list_nodes([machine_id], fault_window_s=60, limit=1)
+    return node.identity_provider
+
+
+async def test_a_squatter_cannot_keep_the_real_machine_out_nor_take_a_verified_id(
+    fleet: Fleet,
+) -> None:
+    secret = fleet.scheduler.identity_secret
+    proof = fpb.ProviderIdentity(local_token=local_identity_token(secret, "local-0"))
+    # A squatter says Hello first, under the real machine's id, with no proof.
+    squatter = await _hello(fleet.channel, "local-0")
+    await squatter.expect("welcome")
+    assert await _identity_of(fleet, "local-0") == ""
+    # The real worker proves its id and takes it at once (it used to wait a lease TTL).
+    real = await _hello(fleet.channel, "local-0", proof)
+    await real.expect("welcome")
+    assert await _identity_of(fleet, "local-0") == "local"
+    # From now on no unverified stream takes this id, not even after the machine's silence.
+    await real.call.done_writing()
+    async with asyncio.timeout(WAIT_S):
+        while (await real.call.read()) is not grpc.aio.EOF:
+            pass
+    conn = await asyncpg.connect(fleet.scheduler.database_url)
+    try:
+        await conn.execute(
+            "UPDATE machines SET last_seen_at = now() - interval '1 day'"
+            " WHERE machine_id = 'local-0'"
+        )
+    finally:
+        await conn.close()
+    late = await _hello(fleet.channel, "local-0")
+    refusal = await _refusal(late)
+    assert refusal.code() == grpc.StatusCode.ALREADY_EXISTS
+    # Nor does a token minted for another machine id.
+    forged = await _hello(
+        fleet.channel,
+        "local-0",
+        fpb.ProviderIdentity(local_token=local_identity_token(secret, "local-1")),
+    )
+    refusal = await _refusal(forged)
+    assert refusal.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "identity" in (refusal.details() or "")
+
+
+@pytest.mark.parametrize("scheduler_overrides", [{"require_provider_identity": True}])
+async def test_a_scheduler_that_requires_identities_refuses_a_hello_without_one(
+    fleet: Fleet,
+) -> None:
+    refusal = await _refusal(await _hello(fleet.channel, "m1"))
+    assert refusal.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "no proof" in (refusal.details() or "")
+    proof = fpb.ProviderIdentity(
+        local_token=local_identity_token(fleet.scheduler.identity_secret, "m1")
+    )
+    worker = await _hello(fleet.channel, "m1", proof)
+    assert (await worker.expect("welcome")).session_token

@@ -472,6 +472,7 @@ class WorkerHello:
     session_token: str  # the previous stream's, when reconnecting; else ""
     held_lease: LeaseRef | None
     held_lease_secret: str
+    identity: IdentityProof
 
 
 def hello_from_proto(hello: fpb.Hello) -> WorkerHello:
@@ -486,6 +487,7 @@ def hello_from_proto(hello: fpb.Hello) -> WorkerHello:
         session_token=hello.session_token,
         held_lease=held,
         held_lease_secret=hello.held_lease_secret,
+        identity=identity_proof_from_hello(hello),
     )
 
 

@@ -95,6 +95,7 @@ async def local_fleet(
         provider = LocalProcessProvider(
             scheduler_address=f"127.0.0.1:{scheduler.port}",
             worker_token=scheduler.worker_token,
+            identity_secret=scheduler.identity_secret,
             log_dir=data_dir / "logs",
             gpus=gpus,
             extra_env=worker_env,

@@ -204,6 +204,8 @@ class NodeRecord:
 
     machine_id: str
     provider_instance_id: str
+    # Who vouched for the machine's id on its current stream ("": unverified, a claim).
+    identity_provider: str
     gpu_model: str
     vram_mb: int
     # None until the worker's Hello (with its qualification probe) is recorded.
@@ -843,10 +845,17 @@ class Ledger:
         presented_sha256: bytes | None,
         new_sha256: bytes,
         silent_s: float,
+        identity_provider: str = "",
     ) -> bool:
-        """True if this stream now holds the machine id (see the query for the rule)."""
+        """True if this stream now holds the machine id (see the query for the rule);
+        `identity_provider` names who vouched for the stream's id ("": nobody)."""
         row = await self._fetchrow(
-            "claim_machine_session", machine_id, presented_sha256, new_sha256, silent_s
+            "claim_machine_session",
+            machine_id,
+            presented_sha256,
+            new_sha256,
+            silent_s,
+            identity_provider,
         )
         return row is not None
 
@@ -973,6 +982,7 @@ class Ledger:
             NodeRecord(
                 machine_id=r["machine_id"],
                 provider_instance_id=r["provider_instance_id"],
+                identity_provider=r["identity_provider"],
                 gpu_model=r["gpu_model"],
                 vram_mb=r["vram_mb"],
                 qualified=r["qualified"],

@@ -34,6 +34,7 @@ from lorafleet.scheduler.auth import ApiKeyAuthenticator
 from lorafleet.scheduler.background import BackgroundTasks
 from lorafleet.scheduler.config import LocalStorage, SchedulerConfig
 from lorafleet.scheduler.dispatcher import Dispatcher
+from lorafleet.scheduler.identity import build_verifiers
 from lorafleet.scheduler.job_handler import JobHandler
 from lorafleet.scheduler.metrics import LEDGER_UP, JobStateCollector
 from lorafleet.scheduler.notifications import Notifications
@@ -91,6 +92,7 @@ class Scheduler(AsyncLifecycle):
         self.port = 0
         self.database_url = config.database_url
         self.worker_token = config.worker_token
+        self.identity_secret = ""
         self._embedded: EmbeddedPostgres | None = None
         self._ledger: Ledger | None = None
         self._storage: ObjectStore | None = None
@@ -142,6 +144,9 @@ class Scheduler(AsyncLifecycle):
             await conn.close()
         if not self.worker_token:
             self.worker_token = read_or_create_secret(cfg.data_dir / "worker-token")
+        # Only this scheduler and the local supervisor (`lorafleet up`) hold it; workers get a
+        # token for their own machine id (identity.py).
+        self.identity_secret = read_or_create_secret(cfg.data_dir / "identity-secret")
         self._ledger = await Ledger.connect(
             self.database_url,
             quarantine=Quarantine(
@@ -208,6 +213,16 @@ class Scheduler(AsyncLifecycle):
             scheduler_id=self.scheduler_id,
             lease_ttl_s=cfg.lease_ttl_s,
             heartbeat_interval_s=cfg.heartbeat_interval_s,
+            identities=build_verifiers(
+                local_secret=self.identity_secret,
+                required=cfg.require_provider_identity,
+                salad_container_group_ids=cfg.salad_container_group_ids,
+                salad_jwks_url=cfg.salad_jwks_url,
+                ec2_certificates_pem=None
+                if cfg.ec2_identity_certificate_file is None
+                else cfg.ec2_identity_certificate_file.read_bytes(),
+                ec2_account_ids=cfg.ec2_account_ids,
+            ),
         )
         webhook_policy = AddressPolicy.from_text(cfg.webhook_allowed_networks)
         handler = JobHandler(

@@ -44,6 +44,7 @@ from lorafleet.scheduler.dispatcher import (
     lease_proto,
     trace_context,
 )
+from lorafleet.scheduler.identity import IdentityVerifiers
 from lorafleet.scheduler.sessions import ActiveLease, SessionState, WorkerSession, WorkerSessions
 from lorafleet.scheduler.signing import UrlSigner
 from lorafleet.scheduler.storage import ObjectStore
@@ -67,6 +68,7 @@ class WorkerHandler:
         scheduler_id: str,
         lease_ttl_s: float,
         heartbeat_interval_s: float,
+        identities: IdentityVerifiers,
     ) -> None:
         self._ledger = ledger
         self._storage = storage
@@ -78,6 +80,7 @@ class WorkerHandler:
         self._scheduler_id = scheduler_id
         self._lease_ttl_s = lease_ttl_s
         self._heartbeat_interval_s = heartbeat_interval_s
+        self._identities = identities
         self._url_ttl_s = signer.lease_urls_ttl_s
 
     # The stream opens and ends ----------------------------------------------------------------
@@ -85,6 +88,12 @@ class WorkerHandler:
     async def connect(self, hello: WorkerHello) -> WorkerSession:
         """A worker said Hello: its session, with its lease if it resumes one."""
         machine = hello.machine
+        # The provider's word for the machine id, where the Hello carries it (identity.py). A
+        # proof that does not verify is refused even where none is required: it is a
+        # misconfigured worker or a forgery, never something to carry on without.
+        provider = ""
+        if hello.identity.present or self._identities.required:
+            provider = (await self._identities.verify(machine.machine_id, hello.identity)).provider
         token = secrets.token_urlsafe(32)
         session_sha256 = digest(token)
         # The machine id is this stream's only if no other live stream holds it: a worker
@@ -95,11 +104,12 @@ class WorkerHandler:
             presented_sha256=digest(hello.session_token) if hello.session_token else None,
             new_sha256=session_sha256,
             silent_s=self._lease_ttl_s,
+            identity_provider=provider,
         ):
             raise AlreadyExists(
                 f"hello.machine_id: machine {machine.machine_id!r} is held by another live"
-                " stream; reconnect with its session_token, or after"
-                f" {self._lease_ttl_s:g} s of its silence"
+                " stream (or a provider-verified one); reconnect with its session_token, or"
+                f" after {self._lease_ttl_s:g} s of its silence"
             )
         previous = self._sessions.get(machine.machine_id)
         if previous is not None:
@@ -149,7 +159,12 @@ class WorkerHandler:
         session.send(fpb.ConnectResponse(welcome=welcome))
         if session.lease is not None:
             await self._renew_urls(session)
-        log.info("worker connected", machine_id=machine.machine_id, vram_mb=machine.vram_mb)
+        log.info(
+            "worker connected",
+            machine_id=machine.machine_id,
+            vram_mb=machine.vram_mb,
+            identity=provider or "unverified",
+        )
         return session
 
     def disconnected(self, session: WorkerSession) -> None:

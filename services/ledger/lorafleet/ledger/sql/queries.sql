@@ -448,14 +448,20 @@ WHERE machine_id = $1 AND session_token_sha256 = $2;
 -- A stream says Hello as machine $1: it gets the machine id (session token digest $3) if the
 -- machine is new, if it presents the previous stream's token (digest $2), or if the machine
 -- has been silent for $4 seconds. Nothing is written otherwise: one stream cannot end or take
--- over another's.
-INSERT INTO machines (machine_id, session_token_sha256)
-VALUES ($1, $3)
+-- over another's. Provider identities ($5: who vouched for this stream's id, '' for nobody)
+-- rank above that: a verified stream takes an id from an unverified holder at once (a squatter
+-- cannot keep the real machine out), and an unverified stream never takes a verified id.
+INSERT INTO machines (machine_id, session_token_sha256, identity_provider, identity_verified_at)
+VALUES ($1, $3, $5, CASE WHEN $5 <> '' THEN now() END)
 ON CONFLICT (machine_id) DO UPDATE
-SET session_token_sha256 = EXCLUDED.session_token_sha256, last_seen_at = now()
-WHERE machines.session_token_sha256 IS NULL
-   OR machines.session_token_sha256 = $2
-   OR machines.last_seen_at < now() - make_interval(secs => $4)
+SET session_token_sha256 = EXCLUDED.session_token_sha256, last_seen_at = now(),
+    identity_provider = EXCLUDED.identity_provider,
+    identity_verified_at = EXCLUDED.identity_verified_at
+WHERE NOT (machines.identity_provider <> '' AND $5 = '')
+  AND (machines.session_token_sha256 IS NULL
+       OR machines.session_token_sha256 = $2
+       OR machines.last_seen_at < now() - make_interval(secs => $4)
+       OR ($5 <> '' AND machines.identity_provider = ''))
 RETURNING machine_id;
 
 -- name: start_replica
@@ -595,7 +601,7 @@ SELECT * FROM requeued;
 WITH live AS (
     SELECT machine_id, job_id FROM jobs WHERE state = 'RUNNING'
 )
-SELECT m.machine_id, m.provider_instance_id, m.gpu_model, m.vram_mb,
+SELECT m.machine_id, m.provider_instance_id, m.identity_provider, m.gpu_model, m.vram_mb,
        CASE WHEN m.qualification = '{}'::jsonb THEN NULL ELSE m.qualified END AS qualified,
        m.qualification ->> 'detail' AS qualification_detail, m.version,
        m.first_seen_at, m.last_seen_at,

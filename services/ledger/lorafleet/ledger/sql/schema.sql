@@ -156,7 +156,10 @@ CREATE TABLE machines (
     last_seen_at         timestamptz NOT NULL DEFAULT now(),
     -- sha256 of the live stream's session token: another stream cannot take this machine id
     -- over until the machine has been silent for a lease TTL (0006).
-    session_token_sha256 bytea
+    session_token_sha256 bytea,
+    -- Which provider vouched for the id on the current stream ('' : unverified; 0012).
+    identity_provider    text NOT NULL DEFAULT '',
+    identity_verified_at timestamptz
 );
 
 -- Replicas say they are alive (every sweep); one that starts after every replica was down
