@@ -21,6 +21,9 @@ from lorafleet.scheduler.ledger import Ledger
 
 DEFAULT_TEST_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
+# The shared fixtures: the fleet, the tiny model (tests/support).
+pytest_plugins = ("tests.support.fixtures",)
+
 
 # In-process services log to stderr, so a command's stdout stays its own output.
 configure_logging(fmt="console")

@@ -26,10 +26,10 @@ from lorafleet.worker.agent import Agent
 from lorafleet.worker.qualify import QualificationResult
 from lorafleet.worker.training import TrainingConfig
 from lorafleet.worker.training.samples import SamplePipelines
-from tests.agent.conftest import Fleet, running
-from tests.agent.support import kinds
 from tests.agent.test_agent import Observer
 from tests.agent.test_process import Workers
+from tests.support.fleet import Fleet, running
+from tests.support.jobs import kinds
 
 KIND = pb.JobEventKind
 SAMPLING_WARNING = (

@@ -28,8 +28,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from lorafleet.jobs.v1 import jobs_pb2 as pb
-from tests.agent.conftest import PREFIX, WORKER_TOKEN, Fleet
-from tests.agent.support import WAIT_S
+from tests.support.fleet import WORKER_TOKEN, Fleet
+from tests.support.jobs import PREFIX
+from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lorafleet.jobs.v1 import jobs_pb2 as pb
-from tests.agent.conftest import WORKER_TOKEN, Fleet
-from tests.agent.support import WAIT_S
+from tests.support.fleet import WORKER_TOKEN, Fleet
+from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
 
 
 class WorkerLog:

@@ -35,8 +35,8 @@ from tests.scaler.fleet_sim import (
     hold,
 )
 from tests.scaler.salad_double import SaladDouble
-from tests.scheduler.conftest import WORKER_TOKEN, scheduler_config
-from tests.scheduler.harness import UserClient
+from tests.support.fleet import WORKER_TOKEN, scheduler_config
+from tests.support.jobs import JobClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,7 +48,7 @@ class World:
     scheduler: Scheduler
     ledger: Ledger
     database_url: str
-    alice: UserClient
+    alice: JobClient
     double: SaladDouble
     clock: SimClock
     watch: LedgerWatch
@@ -128,7 +128,7 @@ async def world(database_url: str, tmp_path: Path) -> AsyncIterator[World]:
                 scheduler=scheduler,
                 ledger=scheduler.ledger,
                 database_url=database_url,
-                alice=UserClient(stub, key),
+                alice=JobClient(stub, key),
                 double=double,
                 clock=SimClock(),
                 watch=watch,

@@ -17,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from lorafleet.core.settings import ConfigError
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.scheduler.server import Scheduler
-from tests.scheduler.conftest import Fleet, scheduler_config
-from tests.scheduler.harness import WAIT_S, connect_worker
+from tests.support.fleet import Fleet, scheduler_config
+from tests.support.jobs import WAIT_S
+from tests.support.workers import connect_worker
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

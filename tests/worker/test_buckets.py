@@ -27,14 +27,8 @@ from lorafleet.worker.training.data import (
     nearest_bucket,
     prepare_images,
 )
-from tests.worker.support import (
-    Recorder,
-    TrainFn,
-    image_bytes,
-    lora_tensors,
-    same_tensors,
-    tiny_spec,
-)
+from tests.support.images import image_bytes
+from tests.support.training import Recorder, TrainFn, lora_tensors, same_tensors, tiny_spec
 
 RESOLUTION = 128
 # (width, height): landscape 2:1, square, portrait 1:2, wide 4:1, a second landscape.

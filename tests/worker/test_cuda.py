@@ -22,7 +22,7 @@ from lorafleet.worker.training import (
 )
 from lorafleet.worker.training.config import resolve_runtime
 from lorafleet.worker.training.model import load_components
-from tests.worker.support import (
+from tests.support.training import (
     Recorder,
     TrainFn,
     lora_tensors,

@@ -20,11 +20,11 @@ from lorafleet.worker.training import (
     load_checkpoint,
     serialize_checkpoint,
 )
-from tests.worker.support import (
+from tests.support.images import image_bytes
+from tests.support.training import (
     SAMPLING_WARNING,
     Recorder,
     TrainFn,
-    image_bytes,
     instance_images,
     lora_tensors,
     make_config,

@@ -13,7 +13,7 @@ from PIL import Image
 from lorafleet.core.model import FailureClass, SampleSettings
 from lorafleet.worker.training import Finished, TrainingFailure, serialize_checkpoint
 from lorafleet.worker.training.samples import SamplePipelines, SamplesStopped
-from tests.worker.support import SAMPLING_WARNING, TrainFn, make_config, tiny_spec
+from tests.support.training import SAMPLING_WARNING, TrainFn, make_config, tiny_spec
 
 pytestmark = pytest.mark.filterwarnings(SAMPLING_WARNING)
 

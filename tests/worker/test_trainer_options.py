@@ -27,7 +27,7 @@ from lorafleet.worker.training import (
     load_checkpoint,
     serialize_checkpoint,
 )
-from tests.worker.support import (
+from tests.support.training import (
     SAMPLING_WARNING,
     TEST_DEVICE,
     Recorder,

@@ -1,0 +1,98 @@
+"""The suite's shared fixtures (a pytest plugin, loaded by tests/conftest.py): the live fleet,
+the tiny model, a CPU qualification result, one intra-op thread for tests that train."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from tests.support import models
+from tests.support.fleet import SCRIPTED, Fleet, FleetProfile, start_fleet
+
+if TYPE_CHECKING:
+    from lorafleet.worker.qualify import QualificationResult
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny SDXL-architecture model, built once per run (shared by xdist workers)."""
+    return models.tiny_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model: Path) -> Path:
+    """The trainer tests' name for `tiny_model`."""
+    return tiny_model
+
+
+@pytest.fixture
+def scheduler_overrides() -> dict[str, Any]:
+    """SchedulerConfig overrides of one test (`@pytest.mark.parametrize` it)."""
+    return {}
+
+
+@pytest.fixture
+def fleet_profile() -> FleetProfile:
+    """Scripted workers unless a directory says otherwise (tests/agent/conftest.py)."""
+    return SCRIPTED
+
+
+@pytest.fixture
+def fleet_tiny_model() -> Path | None:
+    """The model the fleet's workers load; only fleets of real workers need one."""
+    return None
+
+
+@pytest.fixture
+async def fleet(
+    database_url: str,
+    tmp_path: Path,
+    fleet_profile: FleetProfile,
+    fleet_tiny_model: Path | None,
+    scheduler_overrides: dict[str, Any],
+) -> AsyncIterator[Fleet]:
+    async with start_fleet(
+        database_url,
+        tmp_path / "data",
+        fleet_profile,
+        tiny_model=fleet_tiny_model,
+        **scheduler_overrides,
+    ) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread() -> Iterator[None]:
+    """The tiny model's kernels are too small to gain from intra-op parallelism, and where other
+    processes share the two cores, OpenMP threads spinning against them made a training step
+    four times slower. Worker processes get OMP_NUM_THREADS=1 likewise, so in-process reference
+    runs and workers compute the same way (a different thread count may sum in a different
+    order). Restored after each module, for other test directories."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def cpu_qualification() -> QualificationResult:
+    """One real probe result reused by tests that are not about qualification."""
+    from lorafleet.core.settings import load
+    from lorafleet.worker.config import WorkerConfig
+    from lorafleet.worker.qualify import probe
+
+    return probe(
+        load(
+            WorkerConfig,
+            env={},
+            worker_token="x",
+            allow_cpu=True,
+            min_free_disk_mb=0,
+            min_free_memory_mb=0,
+        )
+    )
