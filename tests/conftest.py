@@ -14,10 +14,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+from filelock import FileLock
 
 from lorafleet.core.telemetry import configure_logging
 from lorafleet.scheduler.database import EmbeddedPostgres, migrate
 from lorafleet.scheduler.ledger import Ledger
+from tests.support.models import run_root
 
 DEFAULT_TEST_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -53,13 +55,20 @@ def pg_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if asyncio.run(reachable()):
         yield DEFAULT_TEST_SERVER
         return
-    embedded = EmbeddedPostgres(tmp_path_factory.mktemp("pg") / "data")
-    yield embedded.start()
+    # One embedded server per run: xdist workers share it (pgserver counts its users and the
+    # last one stops it); the lock keeps two workers from initialising it at once.
+    root = run_root(tmp_path_factory)
+    embedded = EmbeddedPostgres(root / "pg" / "data")
+    with FileLock(str(root / "pg.lock"), timeout=300):
+        url = embedded.start()
+    yield url
     embedded.stop()
 
 
 @pytest.fixture(scope="session")
 async def template_database(pg_server_url: str) -> AsyncIterator[str]:
+    # One per test process: under xdist each worker migrates its own (a second or so), so no
+    # worker ever clones a template another one is still building or dropping.
     name = f"lorafleet_tpl_{os.getpid()}"
     admin = await asyncpg.connect(pg_server_url)
     try:

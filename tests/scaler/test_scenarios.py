@@ -65,7 +65,12 @@ class World:
                 group=d.group,
                 api_key=d.api_key,
                 base_url=d.base_url,
-                request_timeout_s=0.5,
+                # A slow answer is not a failure: on a loaded machine the double (in this
+                # process) can take a second to answer, and a tick whose look at the provider
+                # failed decides nothing and waits for the next wake-up, which in a scenario
+                # may never come. No scenario injects slowness; outages are 500s, answered
+                # at once, so the short deadline still ends their retries quickly.
+                request_timeout_s=10.0,
                 deadline_s=0.3,
                 initial_backoff_s=0.01,
                 max_backoff_s=0.05,
