@@ -465,7 +465,11 @@ async def test_of_two_scalers_only_one_acts_and_the_other_takes_over(world: Worl
     try:
         pid = await admin.fetchval(
             "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
-            " AND ((classid::bigint << 32) | objid::bigint) = $1",
+            " AND ((classid::bigint << 32) | objid::bigint) = $1"
+            # pg_locks shows every database's locks: the scaler tests of another run (or of
+            # another xdist worker) hold the same key in theirs, and ending one of theirs left
+            # this test's first scaler active until the test timed out.
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
             SCALER_LOCK,
         )
         assert pid is not None
