@@ -19,7 +19,7 @@ from filelock import FileLock
 from lorafleet.core.telemetry import configure_logging
 from lorafleet.scheduler.database import EmbeddedPostgres, migrate
 from lorafleet.scheduler.ledger import Ledger
-from tests.support.models import run_root
+from tests.support.paths import public_tmp_dir
 
 DEFAULT_TEST_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -37,7 +37,7 @@ def with_database(url: str, name: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def pg_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def pg_server_url() -> Iterator[str]:
     url = os.environ.get("LORAFLEET_TEST_DATABASE_URL")
     if url:
         yield url
@@ -55,11 +55,14 @@ def pg_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if asyncio.run(reachable()):
         yield DEFAULT_TEST_SERVER
         return
-    # One embedded server per run: xdist workers share it (pgserver counts its users and the
-    # last one stops it); the lock keeps two workers from initialising it at once.
-    root = run_root(tmp_path_factory)
-    embedded = EmbeddedPostgres(root / "pg" / "data")
-    with FileLock(str(root / "pg.lock"), timeout=300):
+    # One embedded server for every test process of this user: xdist workers and runs side by
+    # side share it (pgserver counts its users and the last one stops it; each test has its own
+    # database), and the lock keeps two of them from initialising it at once. Not under
+    # pytest's temporary tree: run as root, pgserver runs Postgres as its own user, and every
+    # pytest that starts makes that tree private again (0700), locking the server out.
+    data_dir = public_tmp_dir() / f"lorafleet-test-pg-{os.getuid()}"
+    embedded = EmbeddedPostgres(data_dir)
+    with FileLock(f"{data_dir}.lock", timeout=300):
         url = embedded.start()
     yield url
     embedded.stop()

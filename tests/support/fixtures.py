@@ -3,6 +3,8 @@ the tiny model, a CPU qualification result, one intra-op thread for tests that t
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,9 +13,21 @@ import pytest
 
 from tests.support import models
 from tests.support.fleet import SCRIPTED, Fleet, FleetProfile, start_fleet
+from tests.support.paths import public_tmp_dir
 
 if TYPE_CHECKING:
     from lorafleet.worker.qualify import QualificationResult
+
+
+@pytest.fixture
+def public_tmp_path() -> Iterator[Path]:
+    """A temporary directory outside pytest's own tree, for an embedded Postgres (`lorafleet up`,
+    `demo`). Run as root, pgserver runs Postgres as its own user and opens the directories above
+    its data to it; but every pytest process that starts (another run beside this one) makes
+    its tree private again (0700), and Postgres then fails with "Permission denied"."""
+    path = Path(tempfile.mkdtemp(prefix="lorafleet-test-", dir=public_tmp_dir()))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

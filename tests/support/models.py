@@ -8,7 +8,6 @@ source, and a file lock makes the first worker build it while the others wait an
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,12 +15,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-
-def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The temporary directory every process of this test run shares: the base temp of a serial
-    run, its parent under xdist (each worker's base temp is a child of it)."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+from tests.support.paths import run_root
 
 
 def shared_artifact(root: Path, name: str, key: str, build: Callable[[Path], object]) -> Path:
