@@ -42,6 +42,10 @@ from tests.support.images import png
 from tests.support.jobs import OWNER, kinds
 from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
 
+# Real workers training the tiny model (in this process or as processes): slow, not in
+# the fast lane (README, Development).
+pytestmark = pytest.mark.slow
+
 KIND = pb.JobEventKind
 
 

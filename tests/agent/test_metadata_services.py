@@ -22,6 +22,10 @@ from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
 from tests.worker.imds_double import ImdsDouble
 from tests.worker.salad_imds_double import SaladImdsDouble
 
+# Real workers training the tiny model (in this process or as processes): slow, not in
+# the fast lane (README, Development).
+pytestmark = pytest.mark.slow
+
 KIND = pb.JobEventKind
 NOTICE = {"action": "terminate", "time": "2025-01-01T00:02:00Z"}
 

@@ -28,6 +28,10 @@ from tests.support.images import png
 from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
 from tests.support.jobs import kinds
 
+# Real workers training the tiny model (in this process or as processes): slow, not in
+# the fast lane (README, Development).
+pytestmark = pytest.mark.slow
+
 KIND = pb.JobEventKind
 # The seed that picks the kill steps; change it to explore other interleavings.
 KILL_SEED = 20_251_123

@@ -35,7 +35,9 @@ KIND = pb.JobEventKind
 SAMPLING_WARNING = (
     "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
 )
-pytestmark = pytest.mark.filterwarnings(SAMPLING_WARNING)
+# Real workers training the tiny model (in this process or as processes): slow, not in
+# the fast lane (README, Development).
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(SAMPLING_WARNING)]
 
 VALIDATION: dict[str, Any] = dict(
     validation_prompt="a photo of sks dog",

@@ -32,6 +32,10 @@ from tests.support.fleet import WORKER_TOKEN, Fleet
 from tests.support.jobs import PREFIX
 from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
 
+# Real workers training the tiny model (in this process or as processes): slow, not in
+# the fast lane (README, Development).
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 

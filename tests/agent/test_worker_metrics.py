@@ -16,6 +16,10 @@ from lorafleet.jobs.v1 import jobs_pb2 as pb
 from tests.support.fleet import WORKER_TOKEN, Fleet
 from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
 
+# Real workers training the tiny model (in this process or as processes): slow, not in
+# the fast lane (README, Development).
+pytestmark = pytest.mark.slow
+
 
 class WorkerLog:
     """The worker's JSON log lines as they come; `wait_for` returns the first matching one."""

@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import asyncpg
 import grpc
+import pytest
 
 from lorafleet.core.model import upload_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
@@ -147,6 +148,7 @@ async def run_worker(
                     stats["succeeded"] += 1
 
 
+@pytest.mark.slow
 async def test_two_replicas_fifty_workers_never_grant_twice(
     database_url: str, tmp_path: Path
 ) -> None:

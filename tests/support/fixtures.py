@@ -3,6 +3,7 @@ the tiny model, a CPU qualification result, one intra-op thread for tests that t
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -19,15 +20,41 @@ if TYPE_CHECKING:
     from lorafleet.worker.qualify import QualificationResult
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a parallel run the long tests start first (those allowed the longest timeout, then
+    the rest marked slow), so the run does not end waiting on one started last. Every xdist
+    worker sorts the same way; a serial run keeps the files' order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+
+    def allowed_s(item: pytest.Item) -> float:
+        marker = item.get_closest_marker("timeout")
+        return float(marker.args[0]) if marker is not None and marker.args else 0.0
+
+    items.sort(key=lambda item: (-allowed_s(item), item.get_closest_marker("slow") is None))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Keeps each phase's report on the test item (`public_tmp_path` keeps a failed test's
+    directory for its logs)."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def public_tmp_path() -> Iterator[Path]:
+def public_tmp_path(request: pytest.FixtureRequest) -> Iterator[Path]:
     """A temporary directory outside pytest's own tree, for an embedded Postgres (`lorafleet up`,
-    `demo`). Run as root, pgserver runs Postgres as its own user and opens the directories above
-    its data to it; but every pytest process that starts (another run beside this one) makes
-    its tree private again (0700), and Postgres then fails with "Permission denied"."""
+    `demo`, the chaos benchmark). Run as root, pgserver runs Postgres as its own user and opens
+    the directories above its data to it; but every pytest process that starts (another run
+    beside this one) makes its tree private again (0700), and Postgres then fails with
+    "Permission denied". Removed after a test that passed; a failed one's stays, with its logs."""
     path = Path(tempfile.mkdtemp(prefix="lorafleet-test-", dir=public_tmp_dir()))
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.passed:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,10 @@ from tests.support.training import (
     tiny_spec,
 )
 
+# Several training runs of the tiny model per test: slow, not in the fast lane (README,
+# Development).
+pytestmark = pytest.mark.slow
+
 
 def _lrs(recorder: Recorder) -> list[float]:
     return [p[2] for p in recorder.progress]

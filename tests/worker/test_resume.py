@@ -32,6 +32,10 @@ from tests.support.training import (
     tiny_spec,
 )
 
+# Several training runs of the tiny model per test: slow, not in the fast lane (README,
+# Development).
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 
 

@@ -15,7 +15,9 @@ from lorafleet.worker.training import Finished, TrainingFailure, serialize_check
 from lorafleet.worker.training.samples import SamplePipelines, SamplesStopped
 from tests.support.training import SAMPLING_WARNING, TrainFn, make_config, tiny_spec
 
-pytestmark = pytest.mark.filterwarnings(SAMPLING_WARNING)
+# Several training runs of the tiny model per test: slow, not in the fast lane (README,
+# Development).
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(SAMPLING_WARNING)]
 
 SETTINGS = SampleSettings(
     prompts=("a photo of sks dog", "sks dog on a beach"),

@@ -39,6 +39,10 @@ from tests.support.training import (
     tiny_spec,
 )
 
+# Several training runs of the tiny model per test: slow, not in the fast lane (README,
+# Development).
+pytestmark = pytest.mark.slow
+
 # Eager against compiled LoRA weights after 4 steps on CUDA, relative per tensor: a bound
 # above the first GPU run's 0.094 (an H100; Adam turns rounding into full-size updates).
 CUDA_DRIFT = 0.2
