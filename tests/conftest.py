@@ -14,12 +14,17 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+from filelock import FileLock
 
 from lorafleet.core.telemetry import configure_logging
 from lorafleet.ledger.database import EmbeddedPostgres, migrate
 from lorafleet.ledger.ledger import Ledger
+from tests.support.paths import public_tmp_dir
 
 DEFAULT_TEST_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+# The shared fixtures: the fleet, the tiny model (tests/support).
+pytest_plugins = ("tests.support.fixtures",)
 
 
 # In-process services log to stderr, so a command's stdout stays its own output.
@@ -32,7 +37,7 @@ def with_database(url: str, name: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def pg_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def pg_server_url() -> Iterator[str]:
     url = os.environ.get("LORAFLEET_TEST_DATABASE_URL")
     if url:
         yield url
@@ -50,13 +55,23 @@ def pg_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if asyncio.run(reachable()):
         yield DEFAULT_TEST_SERVER
         return
-    embedded = EmbeddedPostgres(tmp_path_factory.mktemp("pg") / "data")
-    yield embedded.start()
+    # One embedded server for every test process of this user: xdist workers and runs side by
+    # side share it (pgserver counts its users and the last one stops it; each test has its own
+    # database), and the lock keeps two of them from initialising it at once. Not under
+    # pytest's temporary tree: run as root, pgserver runs Postgres as its own user, and every
+    # pytest that starts makes that tree private again (0700), locking the server out.
+    data_dir = public_tmp_dir() / f"lorafleet-test-pg-{os.getuid()}"
+    embedded = EmbeddedPostgres(data_dir)
+    with FileLock(f"{data_dir}.lock", timeout=300):
+        url = embedded.start()
+    yield url
     embedded.stop()
 
 
 @pytest.fixture(scope="session")
 async def template_database(pg_server_url: str) -> AsyncIterator[str]:
+    # One per test process: under xdist each worker migrates its own (a second or so), so no
+    # worker ever clones a template another one is still building or dropping.
     name = f"lorafleet_tpl_{os.getpid()}"
     admin = await asyncpg.connect(pg_server_url)
     try:

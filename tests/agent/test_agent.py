@@ -37,8 +37,14 @@ from lorafleet.worker.training import (
     TrainingSnapshot,
     images_from_files,
 )
-from tests.agent.conftest import NUM_IMAGES, OWNER, Fleet, running
-from tests.agent.support import WAIT_S, kinds, png
+from tests.support.fleet import NUM_IMAGES, Fleet, running
+from tests.support.images import png
+from tests.support.jobs import OWNER, kinds
+from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
+
+# Real workers training the tiny model (in this process or as processes): slow, not in
+# the fast lane (README, Development).
+pytestmark = pytest.mark.slow
 
 KIND = pb.JobEventKind
 
@@ -318,7 +324,7 @@ async def test_rejected_lease_stops_work_at_once(
 async def test_stream_cut_reconnects_and_keeps_the_lease(
     fleet: Fleet, cpu_qualification: QualificationResult
 ) -> None:
-    from tests.agent.support import TcpProxy
+    from tests.support.proxy import TcpProxy
 
     proxy = TcpProxy(target_port=fleet.scheduler.port)
     await proxy.start()
@@ -591,7 +597,7 @@ async def test_generated_class_images_are_stored_and_reused_on_resume(
 async def test_a_result_lost_with_the_stream_is_sent_again_after_reconnecting(
     fleet: Fleet, cpu_qualification: QualificationResult
 ) -> None:
-    from tests.agent.support import TcpProxy
+    from tests.support.proxy import TcpProxy
 
     proxy = TcpProxy(target_port=fleet.scheduler.port)
     await proxy.start()
@@ -642,7 +648,7 @@ async def test_urls_asked_for_on_a_broken_stream_are_asked_again_on_reconnect(
 ) -> None:
     """A UrlsRequested lost with its stream is asked again as soon as the lease is resumed, not
     after url_request_timeout_s (meanwhile every checkpoint would be skipped)."""
-    from tests.agent.support import TcpProxy
+    from tests.support.proxy import TcpProxy
 
     proxy = TcpProxy(target_port=fleet.scheduler.port)
     await proxy.start()

@@ -17,10 +17,14 @@ from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.scheduler.sessions import SessionState
 from lorafleet.worker.agent import Agent, State
 from lorafleet.worker.qualify import QualificationResult
-from tests.agent.conftest import Fleet, running
-from tests.agent.support import WAIT_S
+from tests.support.fleet import Fleet, running
+from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
 from tests.worker.imds_double import ImdsDouble
 from tests.worker.salad_imds_double import SaladImdsDouble
+
+# Real workers training the tiny model (in this process or as processes): slow, not in
+# the fast lane (README, Development).
+pytestmark = pytest.mark.slow
 
 KIND = pb.JobEventKind
 NOTICE = {"action": "terminate", "time": "2025-01-01T00:02:00Z"}

@@ -23,8 +23,14 @@ from lorafleet.worker.training import (
     images_from_files,
     load_checkpoint,
 )
-from tests.agent.conftest import NUM_IMAGES, WORKER_TOKEN, Fleet
-from tests.agent.support import WAIT_S, kinds, png
+from tests.support.fleet import NUM_IMAGES, WORKER_TOKEN, Fleet
+from tests.support.images import png
+from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
+from tests.support.jobs import kinds
+
+# Real workers training the tiny model (in this process or as processes): slow, not in
+# the fast lane (README, Development).
+pytestmark = pytest.mark.slow
 
 KIND = pb.JobEventKind
 # The seed that picks the kill steps; change it to explore other interleavings.

@@ -26,16 +26,18 @@ from lorafleet.worker.agent import Agent
 from lorafleet.worker.qualify import QualificationResult
 from lorafleet.worker.training import TrainingConfig
 from lorafleet.worker.training.samples import SamplePipelines
-from tests.agent.conftest import Fleet, running
-from tests.agent.support import kinds
 from tests.agent.test_agent import Observer
 from tests.agent.test_process import Workers
+from tests.support.fleet import Fleet, running
+from tests.support.jobs import kinds
 
 KIND = pb.JobEventKind
 SAMPLING_WARNING = (
     "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
 )
-pytestmark = pytest.mark.filterwarnings(SAMPLING_WARNING)
+# Real workers training the tiny model (in this process or as processes): slow, not in
+# the fast lane (README, Development).
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(SAMPLING_WARNING)]
 
 VALIDATION: dict[str, Any] = dict(
     validation_prompt="a photo of sks dog",
@@ -50,6 +52,24 @@ SLOW_SAMPLES: dict[str, Any] = dict(
     validation_inference_steps=40,
     num_validation_images=4,
 )
+# As many images, each cheap: for a task the test holds by other means (STUCK_SAMPLER).
+MANY_SAMPLES: dict[str, Any] = {**SLOW_SAMPLES, "validation_inference_steps": 2}
+
+# A worker that trains as any other but, once inside a sample task, never gets out of it: the
+# test acts while it is surely there, however slow or fast the machine, and the task's images
+# can stay cheap for the worker that makes them afterwards.
+STUCK_SAMPLER = """
+import sys, threading
+from lorafleet.worker import main as worker_main
+from lorafleet.worker.training.samples import SamplePipelines
+
+def make(self, *args, **kwargs):
+    print("inside a sample task", flush=True)
+    threading.Event().wait()
+
+SamplePipelines.make = make
+sys.exit(worker_main.main([]))
+"""
 
 
 @pytest.fixture
@@ -166,13 +186,18 @@ async def test_samples_appear_for_every_checkpoint_while_the_job_trains(
 async def test_a_worker_killed_during_a_sample_task_loses_only_that_task(
     fleet: Fleet, workers: Workers
 ) -> None:
-    job = await fleet.client.submit(max_train_steps=2, **{**VALIDATION, **SLOW_SAMPLES})
-    doomed = await workers.start("m-doomed")
+    # The heir makes all 36 images after the kill: cheap ones, so the wait for them measures
+    # the task being handed on, not how fast two loaded cores run 40 denoising steps each.
+    job = await fleet.client.submit(max_train_steps=2, **{**VALIDATION, **MANY_SAMPLES})
+    doomed = await workers.start("m-doomed", script=STUCK_SAMPLER, pipe_stdout=True)
     await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED, timeout=120)
     ledger = fleet.scheduler.ledger
     await fleet.client.wait_event(
         job.job_id, KIND.JOB_EVENT_KIND_SAMPLES_STARTED, lambda e: e.machine_id == "m-doomed"
     )
+    assert doomed.process.stdout is not None
+    line = await asyncio.wait_for(doomed.process.stdout.readline(), 120)
+    assert line == b"inside a sample task\n", doomed.tail()
     doomed.process.send_signal(signal.SIGKILL)
     await doomed.process.wait()
     await workers.start("m-heir")

@@ -28,8 +28,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from lorafleet.jobs.v1 import jobs_pb2 as pb
-from tests.agent.conftest import PREFIX, WORKER_TOKEN, Fleet
-from tests.agent.support import WAIT_S
+from tests.support.fleet import WORKER_TOKEN, Fleet
+from tests.support.jobs import PREFIX
+from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
+
+# Real workers training the tiny model (in this process or as processes): slow, not in
+# the fast lane (README, Development).
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lorafleet.jobs.v1 import jobs_pb2 as pb
-from tests.agent.conftest import WORKER_TOKEN, Fleet
-from tests.agent.support import WAIT_S
+from tests.support.fleet import WORKER_TOKEN, Fleet
+from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
+
+# Real workers training the tiny model (in this process or as processes): slow, not in
+# the fast lane (README, Development).
+pytestmark = pytest.mark.slow
 
 
 class WorkerLog:

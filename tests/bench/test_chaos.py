@@ -3,7 +3,7 @@ fleet (bench/chaos.py), and every audit must pass.
 
 It runs as its own process tree (its own Postgres cluster, two scheduler replicas, workers
 under the scaler's policy, proxies), bounded by the benchmark's own deadline and this test's
-timeout; a failed audit prints its sentence and the run's logs stay in tmp_path.
+timeout; a failed audit prints its sentence and the run's logs stay in its directory.
 """
 
 from __future__ import annotations
@@ -18,6 +18,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture
+def tmp_path(public_tmp_path: Path) -> Path:
+    """The run holds an embedded Postgres: outside pytest's private tree (tests/support/
+    fixtures.py, public_tmp_path, says why); kept when the test fails."""
+    return public_tmp_path
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_chaos_ci_passes_every_audit(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"

@@ -17,9 +17,9 @@ from lorafleet.app.main import main
 from lorafleet.core.model import RESULT_FILE_NAMES
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as jpb
-from tests.clients.images import jpeg_bytes
-from tests.scheduler.conftest import Fleet
-from tests.scheduler.harness import connect_worker
+from tests.support.fleet import Fleet
+from tests.support.images import jpeg
+from tests.support.workers import connect_worker
 
 
 async def lorafleet(
@@ -41,7 +41,7 @@ async def test_cli_job_commands(
     photos = tmp_path / "rex"
     photos.mkdir()
     for i in range(2):
-        (photos / f"{i}.jpg").write_bytes(jpeg_bytes(i))
+        (photos / f"{i}.jpg").write_bytes(jpeg(i))
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text(
         yaml.safe_dump({"max_train_steps": 40, "lr_scheduler": "cosine", "labels": {"team": "a"}})

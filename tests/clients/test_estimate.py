@@ -15,8 +15,8 @@ from lorafleet.core.errors import FailedPrecondition
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.scheduler.auth import create_api_key
 from tests.clients.test_cli import lorafleet
-from tests.scheduler.conftest import Fleet
-from tests.scheduler.harness import connect_worker
+from tests.support.fleet import Fleet
+from tests.support.workers import connect_worker
 
 ESTIMATE = (
     "submit",

@@ -15,9 +15,9 @@ from aiohttp import web
 from lorafleet.client import AsyncClient
 from lorafleet.client.dataset import read_zip
 from lorafleet.core.errors import InvalidArgument
-from tests.clients.images import jpeg_bytes, png_bytes
 from tests.clients.test_cli import lorafleet
-from tests.scheduler.conftest import Fleet
+from tests.support.fleet import Fleet
+from tests.support.images import jpeg, png
 
 PROMPT = ("--instance-prompt", "a photo of sks dog", "--max-train-steps", "10")
 
@@ -39,7 +39,7 @@ def _one_line_error(code: int, err: str) -> str:
 def _folder(path: Path, n: int = 2) -> Path:
     path.mkdir()
     for i in range(n):
-        (path / f"{i}.png").write_bytes(png_bytes(i))
+        (path / f"{i}.png").write_bytes(png(i))
     (path / "0.txt").write_text("a photo of sks dog on grass")
     return path
 
@@ -58,7 +58,7 @@ async def test_a_missing_folder_or_a_file_is_one_line_and_uploads_nothing(
     assert "no such folder" in line and str(missing) in line
 
     a_file = tmp_path / "one.png"
-    a_file.write_bytes(png_bytes(1))
+    a_file.write_bytes(png(1))
     code, _, err = await lorafleet(
         capsys, monkeypatch, fleet, "submit", "--images", str(a_file), *PROMPT
     )
@@ -127,9 +127,9 @@ def _zip(entries: dict[str, bytes]) -> bytes:
 
 
 DATASET = {
-    "rex/1.png": png_bytes(1),
+    "rex/1.png": png(1),
     "rex/1.txt": b"a photo of sks dog on a sofa",
-    "rex/more/2.jpg": jpeg_bytes(2),
+    "rex/more/2.jpg": jpeg(2),
     "__MACOSX/rex/._1.png": b"resource fork",
     "rex/notes.md": b"ignored",
 }
@@ -157,9 +157,9 @@ async def test_images_zip_uploads_images_and_captions_side_by_side(
 @pytest.mark.parametrize(
     ("entries", "reason"),
     [
-        ({"../evil.png": png_bytes(1)}, "unsafe name"),
-        ({"/abs/evil.png": png_bytes(1)}, "unsafe name"),
-        ({"a/1.png": png_bytes(1), "b/1.png": png_bytes(2)}, "two files named"),
+        ({"../evil.png": png(1)}, "unsafe name"),
+        ({"/abs/evil.png": png(1)}, "unsafe name"),
+        ({"a/1.png": png(1), "b/1.png": png(2)}, "two files named"),
         ({"1.png": b"not a png"}, "not a readable image"),
         ({"readme.md": b"no images"}, "no images"),
     ],
@@ -175,7 +175,7 @@ def test_a_zip_member_larger_than_declared_is_refused(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(dataset, "MAX_UNCOMPRESSED_BYTES", 100)
     with pytest.raises(InvalidArgument) as caught:
-        read_zip(_zip({"1.png": png_bytes(1, size=64), "2.png": png_bytes(2, size=64)}))
+        read_zip(_zip({"1.png": png(1, size=64), "2.png": png(2, size=64)}))
     assert "unpacks to over" in caught.value.reason
 
 

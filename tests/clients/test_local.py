@@ -21,6 +21,13 @@ from lorafleet.core.model import EventKind, JobState
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture
+def tmp_path(public_tmp_path: Path) -> Path:
+    """These tests' data directories hold an embedded Postgres: outside pytest's private tree
+    (tests/support/fixtures.py, public_tmp_path, says why)."""
+    return public_tmp_path
+
+
 def _env(data_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("DATABASE_URL", None)  # the embedded default, as on a fresh machine
@@ -97,10 +104,12 @@ async def fleet_up(data_dir: Path) -> AsyncIterator[str]:
     )
     assert proc.stderr is not None
     target = ""
+    said: list[str] = []
     async with asyncio.timeout(120):
         while not target:
             line = (await proc.stderr.readline()).decode()
-            assert line, "up exited early"
+            assert line, "up exited early:\n" + "".join(said[-40:])
+            said.append(line)
             if match := re.search(r"lorafleet is up on (\S+)", line):
                 target = match.group(1)
     drain = asyncio.create_task(proc.stderr.read())

@@ -20,7 +20,7 @@ from lorafleet.core.errors import InvalidArgument
 from lorafleet.core.model import EventKind, Job, JobEvent, JobState, Progress
 from lorafleet.core.spec import JobSpec
 from tests.clients.test_timeline import SHORT_TTL, T0, Events, at, live_history, make_job, sdk
-from tests.scheduler.conftest import Fleet
+from tests.support.fleet import Fleet
 
 
 def figures(summary: Summary | None) -> tuple[float, ...] | None:

@@ -25,15 +25,16 @@ from lorafleet.core.model import EventKind, JobState, upload_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.server import Scheduler
-from tests.clients.images import png_bytes
-from tests.scheduler.conftest import Fleet, scheduler_config
-from tests.scheduler.harness import WAIT_S, connect_worker
+from tests.support.fleet import Fleet, scheduler_config
+from tests.support.images import png
+from tests.support.jobs import WAIT_S
+from tests.support.workers import connect_worker
 
 
 def _photos(directory: Path) -> Path:
     directory.mkdir()
     for i in range(3):
-        (directory / f"{i}.png").write_bytes(png_bytes(i))
+        (directory / f"{i}.png").write_bytes(png(i))
     (directory / "0.txt").write_text("a photo of sks dog on grass")
     (directory / "notes.md").write_text("ignored")
     return directory

@@ -32,8 +32,8 @@ from lorafleet.core.model import EventKind, Job, JobEvent, JobState, Progress
 from lorafleet.core.spec import JobSpec
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
-from tests.scheduler.conftest import Fleet
-from tests.scheduler.harness import ScriptedWorker, connect_worker
+from tests.support.fleet import Fleet
+from tests.support.workers import ScriptedWorker, connect_worker
 
 SHA = "c" * 64
 # Short enough that an abandoned lease expires within the test's bounded waits.

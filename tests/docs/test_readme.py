@@ -29,10 +29,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from lorafleet.app.main import build_parser
 from lorafleet.core.spec import SPEC_FIELDS
-from tests.clients.images import png_bytes
-from tests.scheduler.conftest import Fleet, fleet, scheduler_overrides
-
-__all__ = ["fleet", "scheduler_overrides"]  # the live scheduler fixture
+from tests.support.fleet import Fleet
+from tests.support.images import png as png_bytes
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -27,7 +27,7 @@ import grpc
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as jpb
 from tests.scaler.salad_double import SaladDouble
-from tests.scheduler.harness import LEASE_SECRETS, ScriptedWorker, connect_worker, http_put
+from tests.support.workers import LEASE_SECRETS, ScriptedWorker, connect_worker, http_put
 
 WAIT_S = 30.0
 

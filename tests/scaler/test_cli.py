@@ -221,6 +221,8 @@ async def test_scaler_once_dry_run_prints_and_changes_nothing(
     assert await ledger.list_scaler_decisions(10) == []
 
 
+# Waits out the SaladCloud client's default retry deadline (a minute): slow.
+@pytest.mark.slow
 async def test_scaler_once_exits_non_zero_when_the_provider_fails(
     database_url: str,
     ledger: Ledger,

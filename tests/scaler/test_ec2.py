@@ -13,7 +13,8 @@ from moto.server import ThreadedMotoServer
 from lorafleet.scaler.ec2 import FLEET_TAG, Ec2Config, Ec2SpotProvider
 from lorafleet.scaler.provider import InstanceState, ProviderError, ProviderRejected
 
-pytestmark = pytest.mark.timeout(60)
+# moto's EC2 backend takes seconds a call: slow, not in the fast lane (README, Development).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 REGION = "us-east-1"
 

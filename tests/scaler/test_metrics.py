@@ -12,7 +12,7 @@ from lorafleet.core.telemetry import MetricsServer
 from lorafleet.scaler.policy import Action, PolicyConfig
 from tests.scaler import test_scenarios
 from tests.scaler.test_scenarios import World, applied
-from tests.scheduler.harness import WAIT_S
+from tests.support.jobs import WAIT_S
 
 pytestmark = pytest.mark.timeout(120)
 # The scenario tests' world: a real scheduler, the Salad double, a simulated clock.

@@ -37,8 +37,8 @@ from tests.scaler.fleet_sim import (
     hold,
 )
 from tests.scaler.salad_double import SaladDouble
-from tests.scheduler.conftest import WORKER_TOKEN, scheduler_config
-from tests.scheduler.harness import UserClient
+from tests.support.fleet import WORKER_TOKEN, scheduler_config
+from tests.support.jobs import JobClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,7 +51,7 @@ class World:
     scheduler: Scheduler
     ledger: Ledger
     database_url: str
-    alice: UserClient
+    alice: JobClient
     double: SaladDouble
     clock: SimClock
     watch: LedgerWatch
@@ -67,7 +67,12 @@ class World:
             group=d.group,
             api_key=d.api_key,
             base_url=d.base_url,
-            request_timeout_s=0.5,
+            # A slow answer is not a failure: on a loaded machine the double (in this
+            # process) can take a second to answer, and a tick whose look at the provider
+            # failed decides nothing and waits for the next wake-up, which in a scenario
+            # may never come. No scenario injects slowness; outages are 500s, answered
+            # at once, so the short deadline still ends their retries quickly.
+            request_timeout_s=10.0,
             deadline_s=0.3,
             initial_backoff_s=0.01,
             max_backoff_s=0.05,
@@ -138,7 +143,7 @@ async def world(
                 scheduler=scheduler,
                 ledger=scheduler.ledger,
                 database_url=database_url,
-                alice=UserClient(stub, key),
+                alice=JobClient(stub, key),
                 double=double,
                 clock=SimClock(),
                 watch=watch,
@@ -476,7 +481,11 @@ async def test_of_two_scalers_only_one_acts_and_the_other_takes_over(world: Worl
     try:
         pid = await admin.fetchval(
             "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
-            " AND ((classid::bigint << 32) | objid::bigint) = $1",
+            " AND ((classid::bigint << 32) | objid::bigint) = $1"
+            # pg_locks shows every database's locks: the scaler tests of another run (or of
+            # another xdist worker) hold the same key in theirs, and ending one of theirs left
+            # this test's first scaler active until the test timed out.
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
             SCALER_LOCK,
         )
         assert pid is not None

@@ -34,8 +34,9 @@ from lorafleet.scheduler.identity import (
     LocalIdentityVerifier,
     SaladIdentityVerifier,
 )
-from tests.scheduler.conftest import WORKER_TOKEN, Fleet
-from tests.scheduler.harness import WAIT_S, ScriptedWorker
+from tests.support.fleet import WORKER_TOKEN, Fleet
+from tests.support.jobs import WAIT_S
+from tests.support.workers import ScriptedWorker
 
 GROUP = "8e6c3f1a-1b2c-4d5e-8f90-123456789abc"
 MACHINE = "0f3b6c2e-5d4a-4b7c-9e8f-abcdef012345"

@@ -20,7 +20,7 @@ from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
-from tests.scheduler.conftest import Fleet
+from tests.support.fleet import Fleet
 
 SPEC_FIELDS = {f.name for f in pb.JobSpec.DESCRIPTOR.fields}
 EXAMPLES = 150

@@ -22,8 +22,8 @@ import pytest
 from lorafleet.core.errors import LedgerUnavailable, LorafleetError
 from lorafleet.ledger import ledger as ledger_module
 from lorafleet.ledger.ledger import Ledger, LedgerError, translate_error
-from tests.scheduler.conftest import Fleet
 from tests.scheduler.test_ledger import new_job
+from tests.support.fleet import Fleet
 
 
 @asynccontextmanager

@@ -9,8 +9,8 @@ import pytest
 
 from lorafleet.core.errors import LedgerUnavailable
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
-from tests.scheduler.conftest import Fleet
-from tests.scheduler.harness import connect_worker
+from tests.support.fleet import Fleet
+from tests.support.workers import connect_worker
 
 
 class Boom(Exception):

@@ -17,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from lorafleet.core.settings import ConfigError
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.scheduler.server import Scheduler
-from tests.scheduler.conftest import Fleet, scheduler_config
-from tests.scheduler.harness import WAIT_S, connect_worker
+from tests.support.fleet import Fleet, scheduler_config
+from tests.support.jobs import WAIT_S
+from tests.support.workers import connect_worker
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -97,7 +98,19 @@ async def test_an_expired_lease_is_counted(fleet: Fleet) -> None:
         await worker.ready_for_lease()
         # Silent: the sweeper expires the lease and re-queues the job.
         await fleet.alice.wait_for(job.job_id, lambda j: j.state == 1)
-    after = await scrape(fleet.scheduler.metrics_port)
+
+    def requeued(samples: Samples) -> float:
+        return value(samples, "lorafleet_requeues_total", reason="expired")
+
+    # The sweeper counts an expiry just after committing it, and the watch can see the re-queue
+    # first (on a loaded machine it did): scrape until the counter has caught up, bounded.
+    async with asyncio.timeout(WAIT_S):
+        while True:
+            after = await scrape(fleet.scheduler.metrics_port)
+            # (the sweeper counts the re-queue after the expiry, in one go)
+            if requeued(after) > requeued(before):
+                break
+            await asyncio.sleep(0.05)
     assert (
         value(after, "lorafleet_lease_expiries_total")
         - value(before, "lorafleet_lease_expiries_total")

@@ -18,8 +18,9 @@ from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 from lorafleet.scheduler.server import Scheduler
-from tests.scheduler.conftest import Fleet, scheduler_config
-from tests.scheduler.harness import UserClient, connect_worker
+from tests.support.fleet import Fleet, scheduler_config
+from tests.support.jobs import JobClient
+from tests.support.workers import connect_worker
 
 
 async def test_cancel_through_another_replica_reaches_the_holder(
@@ -31,7 +32,7 @@ async def test_cancel_through_another_replica_reaches_the_holder(
         Scheduler(config) as other,
         grpc.aio.insecure_channel(f"127.0.0.1:{other.port}") as channel,
     ):
-        via_other = UserClient(pbgrpc.JobServiceStub(channel), fleet.alice.api_key)
+        via_other = JobClient(pbgrpc.JobServiceStub(channel), fleet.alice.api_key)
         async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
             granted = await worker.ready_for_lease()
             assert granted.lease.job_id == job.job_id

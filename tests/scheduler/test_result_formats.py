@@ -13,8 +13,8 @@ import pytest
 from lorafleet.core.model import result_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
-from tests.scheduler.conftest import Fleet
-from tests.scheduler.harness import connect_worker
+from tests.support.fleet import Fleet
+from tests.support.workers import connect_worker
 
 
 async def _put(url: str, data: bytes) -> int:

@@ -9,11 +9,11 @@ from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.server import Scheduler
-from tests.scheduler.conftest import Fleet, scheduler_config
-from tests.scheduler.harness import WAIT_S, UserClient
+from tests.support.fleet import Fleet, scheduler_config
+from tests.support.jobs import WAIT_S, JobClient
 
 
-async def _list(client: UserClient) -> pb.ListJobsResponse:
+async def _list(client: JobClient) -> pb.ListJobsResponse:
     response: pb.ListJobsResponse = await client.stub.ListJobs(
         pb.ListJobsRequest(), metadata=client.metadata, timeout=WAIT_S
     )
@@ -30,8 +30,8 @@ async def test_revoked_key_is_refused_at_once_on_another_replica(
         Scheduler(config) as other,
         grpc.aio.insecure_channel(f"127.0.0.1:{other.port}") as channel,
     ):
-        here = UserClient(fleet.alice.stub, created.key)
-        there = UserClient(pbgrpc.JobServiceStub(channel), created.key)
+        here = JobClient(fleet.alice.stub, created.key)
+        there = JobClient(pbgrpc.JobServiceStub(channel), created.key)
         # Both replicas have accepted the key (a replica that remembers good keys would now).
         for client in (here, there, here, there):
             await _list(client)
@@ -42,4 +42,4 @@ async def test_revoked_key_is_refused_at_once_on_another_replica(
             assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "revoked" in (raised.value.details() or "")
         # The owner's other keys are untouched.
-        await _list(UserClient(pbgrpc.JobServiceStub(channel), fleet.alice.api_key))
+        await _list(JobClient(pbgrpc.JobServiceStub(channel), fleet.alice.api_key))

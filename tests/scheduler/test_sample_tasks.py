@@ -18,9 +18,10 @@ from lorafleet.core.model import FailureClass, sample_image_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.scheduler.auth import create_api_key
-from tests.scheduler.conftest import Fleet
-from tests.scheduler.harness import WAIT_S, ScriptedWorker, UserClient, connect_worker, http_put
 from tests.scheduler.test_webhooks import LOOPBACK_ALLOWED, Receiver, receiver  # noqa: F401
+from tests.support.fleet import Fleet
+from tests.support.jobs import WAIT_S, JobClient
+from tests.support.workers import ScriptedWorker, connect_worker, http_put
 
 VALIDATION: dict[str, Any] = dict(
     validation_prompt="a photo of sks dog",
@@ -225,7 +226,7 @@ async def test_samples_webhook_and_samples_on_request(
         webhook_url=f"{receiver.url}/hook",
         webhook_events=["samples"],
     )
-    client = UserClient(fleet.alice.stub, created.key)
+    client = JobClient(fleet.alice.stub, created.key)
     # validation_steps 0: images of the result only.
     job = await client.submit(max_train_steps=25, **{**VALIDATION, "validation_steps": 0})
     async with (

@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import asyncpg
 import grpc
+import pytest
 
 from lorafleet.core.model import upload_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
@@ -32,7 +33,8 @@ from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.storage import LocalObjectStore, LocalStoreConfig
-from tests.scheduler.harness import UserClient, connect_worker, spec
+from tests.support.jobs import JobClient, spec
+from tests.support.workers import connect_worker
 
 TOKEN = "replica-test-token"
 WORKERS = 50
@@ -146,6 +148,7 @@ async def run_worker(
                     stats["succeeded"] += 1
 
 
+@pytest.mark.slow
 async def test_two_replicas_fifty_workers_never_grant_twice(
     database_url: str, tmp_path: Path
 ) -> None:
@@ -165,7 +168,7 @@ async def test_two_replicas_fifty_workers_never_grant_twice(
     async with replica(database_url, data_dir) as port_a, replica(database_url, data_dir) as port_b:
         ports = [port_a, port_b]
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in ports]
-        clients = [UserClient(pbgrpc.JobServiceStub(c), key) for c in channels]
+        clients = [JobClient(pbgrpc.JobServiceStub(c), key) for c in channels]
         grants: list[tuple[str, int, str]] = []
         stats: Counter[str] = Counter()
         done = asyncio.Event()

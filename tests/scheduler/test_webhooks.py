@@ -33,8 +33,9 @@ from lorafleet.scheduler.webhooks import (
     is_public,
     webhook_session,
 )
-from tests.scheduler.conftest import Fleet
-from tests.scheduler.harness import WAIT_S, UserClient, connect_worker, spec
+from tests.support.fleet import Fleet
+from tests.support.jobs import WAIT_S, JobClient, spec
+from tests.support.workers import connect_worker
 
 FAST_RETRIES: dict[str, object] = {"webhook_backoff_s": 0.01, "webhook_max_attempts": 3}
 # The receivers below listen on loopback: only an operator's allowance lets webhooks reach them.
@@ -104,7 +105,7 @@ async def ended(database_url: str) -> AsyncIterator[asyncio.Queue[str]]:
         await listener.close()
 
 
-async def _deliveries(client: UserClient, job_id: str) -> list[pb.WebhookDelivery]:
+async def _deliveries(client: JobClient, job_id: str) -> list[pb.WebhookDelivery]:
     response = await client.stub.ListWebhookDeliveries(
         pb.ListWebhookDeliveriesRequest(job_id=job_id), metadata=client.metadata, timeout=WAIT_S
     )
@@ -112,7 +113,7 @@ async def _deliveries(client: UserClient, job_id: str) -> list[pb.WebhookDeliver
 
 
 async def _canceled_delivery(
-    client: UserClient, url: str, ended: asyncio.Queue[str]
+    client: JobClient, url: str, ended: asyncio.Queue[str]
 ) -> pb.WebhookDelivery:
     """Submits a job with a webhook for `canceled`, cancels it, and returns the delivery once it
     ended for good."""
@@ -184,7 +185,7 @@ async def test_key_default_webhook_is_signed_and_verifies(fleet: Fleet, receiver
         webhook_url=f"{receiver.url}/hook",
         webhook_events=["succeeded"],
     )
-    client = UserClient(fleet.alice.stub, created.key)
+    client = JobClient(fleet.alice.stub, created.key)
     job = await client.submit()
     await _finish(fleet, "m1", checkpoint=True)  # the checkpoint event is not subscribed
     await asyncio.wait_for(receiver.arrived.wait(), 15)
@@ -260,7 +261,7 @@ async def test_loopback_webhook_is_refused_by_default_and_recorded_as_refused(
     created = await create_api_key(
         fleet.scheduler.ledger, "alice", webhook_url=f"{receiver.url}/hook"
     )
-    client = UserClient(fleet.alice.stub, created.key)
+    client = JobClient(fleet.alice.stub, created.key)
     job = await client.submit()
     await client.cancel(job.job_id)
     await asyncio.wait_for(ended.get(), WAIT_S)

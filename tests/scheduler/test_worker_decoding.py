@@ -7,8 +7,8 @@ import grpc
 import pytest
 
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
-from tests.scheduler.conftest import Fleet
-from tests.scheduler.harness import connect_worker
+from tests.support.fleet import Fleet
+from tests.support.workers import connect_worker
 
 
 async def test_a_malformed_held_lease_is_refused_before_the_machine_id_is_taken(

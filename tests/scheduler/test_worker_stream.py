@@ -15,8 +15,8 @@ from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.signing import UrlSigner
-from tests.scheduler.conftest import Fleet
-from tests.scheduler.harness import connect_worker
+from tests.support.fleet import Fleet
+from tests.support.workers import connect_worker
 
 SHA = "a" * 64
 

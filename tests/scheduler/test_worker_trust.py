@@ -23,13 +23,12 @@ from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.server import Scheduler
 from lorafleet.scheduler.sessions import WorkerSession
-from tests.scheduler.conftest import WORKER_TOKEN, Fleet, scheduler_config
-from tests.scheduler.harness import (
+from tests.support.fleet import WORKER_TOKEN, Fleet, scheduler_config
+from tests.support.jobs import WAIT_S, JobClient
+from tests.support.workers import (
     LEASE_SECRETS,
     SESSION_TOKENS,
-    WAIT_S,
     ScriptedWorker,
-    UserClient,
     connect_worker,
     http_put,
 )
@@ -334,7 +333,7 @@ async def test_leases_survive_an_outage_of_every_scheduler_longer_than_the_ttl(
     ):
         await first.storage.put_bytes(upload_key("alice", "dogs/rex", "1.png"), b"png")
         key = (await create_api_key(first.ledger, "alice")).key
-        job = await UserClient(pbgrpc.JobServiceStub(channel), key).submit()
+        job = await JobClient(pbgrpc.JobServiceStub(channel), key).submit()
         async with connect_worker(channel, WORKER_TOKEN, "m1") as worker:
             granted = await worker.ready_for_lease()
     # Every replica was down for longer than the TTL: the lease lapsed meanwhile.

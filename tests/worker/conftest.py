@@ -1,9 +1,10 @@
-"""Fixtures for the trainer tests: one tiny SDXL-architecture model per session."""
+"""The trainer tests: the test device, one intra-op thread, and `train` on the tiny model
+(tests/support/fixtures.py builds it once per run)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,8 @@ import pytest
 import torch
 
 from lorafleet.core.spec import JobSpec
-from lorafleet.worker.tiny_model import build_tiny_model
 from lorafleet.worker.training import Trainer, TrainingImage, TrainingOutcome, TrainingSnapshot
-from tests.worker.support import TEST_DEVICE, Recorder, TrainFn, instance_images, make_config
+from tests.support.training import TEST_DEVICE, Recorder, TrainFn, instance_images, make_config
 
 if TEST_DEVICE == "cuda":
     # Bit-identical resume on the GPU needs deterministic kernels: cuBLAS's fixed workspace
@@ -38,19 +38,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread() -> Iterator[None]:
-    """The tiny model's kernels are too small to gain from intra-op parallelism, and where
-    other processes share the two cores, OpenMP threads spinning against them made a training
-    step four times slower. Restored after each module, for other test directories."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-sdxl"))
+def _one_thread(one_intra_op_thread: None) -> None:
+    """Every trainer test trains: one intra-op thread (tests/support/fixtures.py says why)."""
 
 
 @pytest.fixture

@@ -27,14 +27,12 @@ from lorafleet.worker.training.data import (
     nearest_bucket,
     prepare_images,
 )
-from tests.worker.support import (
-    Recorder,
-    TrainFn,
-    image_bytes,
-    lora_tensors,
-    same_tensors,
-    tiny_spec,
-)
+from tests.support.images import image_bytes
+from tests.support.training import Recorder, TrainFn, lora_tensors, same_tensors, tiny_spec
+
+# Several training runs of the tiny model per test: slow, not in the fast lane (README,
+# Development).
+pytestmark = pytest.mark.slow
 
 RESOLUTION = 128
 # (width, height): landscape 2:1, square, portrait 1:2, wide 4:1, a second landscape.

@@ -26,7 +26,7 @@ from lorafleet.worker.training import (
 )
 from lorafleet.worker.training.checkpoint import MAGIC, join_tensors, split_tensors
 from lorafleet.worker.training.serialization import safetensors_bytes, safetensors_metadata
-from tests.worker.support import Recorder, TrainFn, instance_images, make_config, tiny_spec
+from tests.support.training import Recorder, TrainFn, instance_images, make_config, tiny_spec
 
 
 @pytest.fixture(scope="module")

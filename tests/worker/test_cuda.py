@@ -22,7 +22,7 @@ from lorafleet.worker.training import (
 )
 from lorafleet.worker.training.base_model import load_components
 from lorafleet.worker.training.config import resolve_runtime
-from tests.worker.support import (
+from tests.support.training import (
     Recorder,
     TrainFn,
     lora_tensors,

@@ -18,7 +18,8 @@ from lorafleet.worker.training.data import (
     natural_key,
     prepare_images,
 )
-from tests.worker.support import TrainFn, image_bytes, tiny_spec
+from tests.support.images import image_bytes
+from tests.support.training import TrainFn, tiny_spec
 
 
 def _data(images: list[TrainingImage], **options: bool) -> TrainingData:

@@ -13,7 +13,7 @@ from diffusers.utils import state_dict_utils
 from peft.utils import get_peft_model_state_dict
 
 from lorafleet.worker.training import LORA_WEIGHT_NAME, Finished
-from tests.worker.support import SAMPLING_WARNING, TrainFn, lora_tensors, tiny_spec
+from tests.support.training import SAMPLING_WARNING, TrainFn, lora_tensors, tiny_spec
 
 # Untyped in diffusers.
 _Pipeline: Any = diffusers.StableDiffusionXLPipeline

@@ -18,7 +18,7 @@ from lorafleet.worker.training.base_model import encode_prompts, load_components
 from lorafleet.worker.training.config import resolve_runtime
 from lorafleet.worker.training.failures import TrainingFailure
 from lorafleet.worker.training.lora import add_lora, lora_parameters
-from tests.worker.support import TrainFn, instance_images, make_config, tiny_spec
+from tests.support.training import TrainFn, instance_images, make_config, tiny_spec
 
 
 def test_components_load_frozen_with_sdpa(tiny_model_dir: Path) -> None:

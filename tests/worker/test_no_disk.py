@@ -30,7 +30,7 @@ from lorafleet.worker.training import (
     load_checkpoint,
     serialize_checkpoint,
 )
-from tests.worker.support import SAMPLING_WARNING, Recorder, TrainFn, tiny_spec
+from tests.support.training import SAMPLING_WARNING, Recorder, TrainFn, tiny_spec
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 _MUTATING_EVENTS = {

@@ -20,16 +20,20 @@ from PIL import Image
 from lorafleet.core.model import FailureClass
 from lorafleet.worker.training import Finished, TrainingFailure, TrainingImage, loop
 from lorafleet.worker.training.serialization import safetensors_metadata
-from tests.worker.support import (
+from tests.support.images import image_bytes
+from tests.support.training import (
     SAMPLING_WARNING,
     Recorder,
     TrainFn,
-    image_bytes,
     instance_images,
     lora_tensors,
     same_tensors,
     tiny_spec,
 )
+
+# Several training runs of the tiny model per test: slow, not in the fast lane (README,
+# Development).
+pytestmark = pytest.mark.slow
 
 
 def _lrs(recorder: Recorder) -> list[float]:

@@ -20,17 +20,21 @@ from lorafleet.worker.training import (
     load_checkpoint,
     serialize_checkpoint,
 )
-from tests.worker.support import (
+from tests.support.images import image_bytes
+from tests.support.training import (
     SAMPLING_WARNING,
     Recorder,
     TrainFn,
-    image_bytes,
     instance_images,
     lora_tensors,
     make_config,
     same_tensors,
     tiny_spec,
 )
+
+# Several training runs of the tiny model per test: slow, not in the fast lane (README,
+# Development).
+pytestmark = pytest.mark.slow
 
 STEPS = 6
 

@@ -13,9 +13,11 @@ from PIL import Image
 from lorafleet.core.model import FailureClass, SampleSettings
 from lorafleet.worker.training import Finished, TrainingFailure, serialize_checkpoint
 from lorafleet.worker.training.samples import SamplePipelines, SamplesStopped
-from tests.worker.support import SAMPLING_WARNING, TrainFn, make_config, tiny_spec
+from tests.support.training import SAMPLING_WARNING, TrainFn, make_config, tiny_spec
 
-pytestmark = pytest.mark.filterwarnings(SAMPLING_WARNING)
+# Several training runs of the tiny model per test: slow, not in the fast lane (README,
+# Development).
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(SAMPLING_WARNING)]
 
 SETTINGS = SampleSettings(
     prompts=("a photo of sks dog", "sks dog on a beach"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lorafleet.worker.training import Finished
-from tests.worker.support import TrainFn, lora_tensors, same_tensors, tiny_spec
+from tests.support.training import TrainFn, lora_tensors, same_tensors, tiny_spec
 
 
 def test_scale_lr_multiplies_the_learning_rate_by_batch_and_accumulation(train: TrainFn) -> None:

@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from lorafleet.worker.tiny_model import PRESETS, bpe_vocab_and_merges
-from tests.worker.support import SAMPLING_WARNING
+from tests.support.training import SAMPLING_WARNING
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from lorafleet.worker.training import (
     load_checkpoint,
     serialize_checkpoint,
 )
-from tests.worker.support import (
+from tests.support.training import (
     SAMPLING_WARNING,
     TEST_DEVICE,
     Recorder,
@@ -38,6 +38,10 @@ from tests.worker.support import (
     same_tensors,
     tiny_spec,
 )
+
+# Several training runs of the tiny model per test: slow, not in the fast lane (README,
+# Development).
+pytestmark = pytest.mark.slow
 
 # Eager against compiled LoRA weights after 4 steps on CUDA, relative per tensor: a bound
 # above the first GPU run's 0.094 (an H100; Adam turns rounding into full-size updates).

@@ -1,10 +1,11 @@
-"""A scripted worker and an authenticated client, driving a real scheduler over loopback gRPC."""
+"""Scripted workers: one worker stream whose every message a test writes by hand, driving a
+real scheduler over loopback gRPC."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,70 +15,7 @@ import grpc
 
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
-from lorafleet.jobs.v1 import jobs_pb2 as pb
-from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
-
-WAIT_S = 15.0
-
-
-def spec(**overrides: Any) -> pb.JobSpec:
-    fields: dict[str, Any] = dict(
-        instance_prompt="a photo of sks dog",
-        instance_data_prefix="dogs/rex",
-        max_train_steps=100,
-        checkpointing_steps=10,
-    )
-    fields.update(overrides)
-    return pb.JobSpec(**fields)
-
-
-@dataclass
-class UserClient:
-    """JobService calls as one owner."""
-
-    stub: pbgrpc.JobServiceStub
-    api_key: str
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.api_key}"),)
-
-    async def submit(self, **overrides: Any) -> pb.Job:
-        response: pb.SubmitJobResponse = await self.stub.SubmitJob(
-            pb.SubmitJobRequest(spec=spec(**overrides)), metadata=self.metadata, timeout=WAIT_S
-        )
-        return response.job
-
-    async def get(self, job_id: str) -> pb.Job:
-        response: pb.GetJobResponse = await self.stub.GetJob(
-            pb.GetJobRequest(job_id=job_id), metadata=self.metadata, timeout=WAIT_S
-        )
-        return response.job
-
-    async def cancel(self, job_id: str) -> pb.Job:
-        response: pb.CancelJobResponse = await self.stub.CancelJob(
-            pb.CancelJobRequest(job_id=job_id), metadata=self.metadata, timeout=WAIT_S
-        )
-        return response.job
-
-    async def wait_for(self, job_id: str, predicate: Callable[[pb.Job], bool]) -> pb.Job:
-        """Watches the job until `predicate` holds (event-driven, bounded by WAIT_S)."""
-        stream = self.stub.WatchJob(
-            pb.WatchJobRequest(job_id=job_id), metadata=self.metadata, timeout=WAIT_S
-        )
-        async for response in stream:
-            if predicate(response.job):
-                stream.cancel()
-                job: pb.Job = response.job
-                return job
-        raise AssertionError(f"job {job_id} ended without meeting the condition")
-
-    async def events(self, job_id: str) -> list[pb.JobEvent]:
-        response: pb.ListJobEventsResponse = await self.stub.ListJobEvents(
-            pb.ListJobEventsRequest(job_id=job_id), metadata=self.metadata, timeout=WAIT_S
-        )
-        return list(response.events)
-
+from tests.support.jobs import WAIT_S
 
 # What a real worker remembers across its reconnects: the session token of its last stream
 # (per machine id) and each lease's secret. Scripted workers share them the same way, so a

@@ -1,18 +1,15 @@
-"""Helpers for the trainer tests: generated images, specs, a hook recorder."""
+"""Helpers for the trainer tests: the test device, training images, specs, a hook recorder."""
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import safetensors.torch
 import torch
-from PIL import Image
 
 from lorafleet.core.spec import JobSpec
 from lorafleet.worker.training import (
@@ -24,8 +21,7 @@ from lorafleet.worker.training import (
     TrainingOutcome,
     TrainingSnapshot,
 )
-
-RESOLUTION = 64
+from tests.support.images import RESOLUTION, image_bytes
 
 # The device the trainer tests train on: the CPU unless a GPU run of the suite asks for CUDA
 # (`LORAFLEET_TEST_DEVICE=cuda`, README "On a GPU"). Never "auto": a developer's GPU box would
@@ -38,26 +34,6 @@ TEST_DEVICE = os.environ.get("LORAFLEET_TEST_DEVICE", "cpu")
 SAMPLING_WARNING = (
     "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
 )
-
-
-def image_bytes(
-    seed: int, size: tuple[int, int] = (RESOLUTION, RESOLUTION), fmt: str = "PNG", mode: str = "RGB"
-) -> bytes:
-    """A smooth random picture (gradients plus a blob), so crops and flips change pixels."""
-    rng = np.random.default_rng(seed)
-    width, height = size
-    ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
-    channels = []
-    for _ in range(3):
-        fx, fy, phase = rng.uniform(0.02, 0.2), rng.uniform(0.02, 0.2), rng.uniform(0, 6.28)
-        channels.append(127.5 + 127.5 * np.sin(fx * xs + fy * ys + phase))
-    array = np.stack(channels, axis=-1).clip(0, 255).astype(np.uint8)
-    image = Image.fromarray(array, "RGB")
-    if mode != "RGB":
-        image = image.convert(mode)
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt)
-    return buffer.getvalue()
 
 
 def instance_images(
