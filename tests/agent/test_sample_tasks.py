@@ -1,4 +1,4 @@
-"""Sample tasks (issue 13) with real worker processes, a real scheduler, Postgres and storage,
+"""Sample tasks with real worker processes, a real scheduler, Postgres and storage,
 on the tiny model: validation images appear for every checkpoint while the job trains, are the
 same images whichever worker makes them, a worker killed while sampling loses only that task
 (re-run elsewhere), and a queued training job never waits for samples."""

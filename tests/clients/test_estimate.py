@@ -1,4 +1,4 @@
-"""Issue 16: a cost estimate before submitting (EstimateJob, `submit --estimate`) from the fleet's
+"""A cost estimate before submitting (EstimateJob, `submit --estimate`) from the fleet's
 measured seconds per step on jobs of the same shape, and a per-key spend limit."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 16: what `lorafleet submit` checks before uploading anything, and the dataset inputs
+"""What `lorafleet submit` checks before uploading anything, and the dataset inputs
 (a folder, a zip file, an HTTPS URL of a zip; `name.txt` captions beside the images)."""
 
 from __future__ import annotations

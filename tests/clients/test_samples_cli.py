@@ -1,4 +1,4 @@
-"""`lorafleet samples`: the grid picture and the spec flags for validation images (issue 13)."""
+"""`lorafleet samples`: the grid picture and the spec flags for validation images."""
 
 from __future__ import annotations
 

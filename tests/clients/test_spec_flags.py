@@ -1,4 +1,4 @@
-"""`lorafleet submit`'s spec flags reach the JobSpec: the trainer options of issue 14."""
+"""`lorafleet submit`'s spec flags reach the JobSpec, the trainer options among them."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_trainer_option_flags_have_help() -> None:
 
 
 def test_every_spec_flag_has_help_and_its_default() -> None:
-    """Issue 16: `submit --help` listed 40 spec flags with no help text and no defaults."""
+    """`submit --help` listed 40 spec flags with no help text and no defaults."""
     from lorafleet.jobs.v1 import jobs_pb2 as pb
 
     parser = _parser()

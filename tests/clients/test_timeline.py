@@ -458,7 +458,7 @@ def test_files_by_suffix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_the_legend_shows_what_is_drawn_as_it_is_drawn() -> None:
-    """Issue 16: the legend listed heartbeats in the running colour and marks the picture did
+    """The legend listed heartbeats in the running colour and marks the picture did
     not have; it now lists only what is drawn, in the drawing's colours."""
     from lorafleet.cli import timeline as tl
 

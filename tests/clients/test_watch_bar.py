@@ -1,4 +1,4 @@
-"""Issue 16: the watch bar's ETA is the job's own (`progress.eta_seconds`), not rich's guess."""
+"""The watch bar's ETA is the job's own (`progress.eta_seconds`), not rich's guess."""
 
 from __future__ import annotations
 

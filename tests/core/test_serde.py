@@ -135,7 +135,7 @@ def test_new_training_options_are_validated(changes: dict[str, Any], field: str)
     assert caught.value.field == field
 
 
-# Issue 16: a zero in a field with a default is never read as "unset".
+# A zero in a field with a default is never read as "unset".
 _REFUSED_ZEROS = (
     "prior_loss_weight",
     "num_class_images",

@@ -1,4 +1,4 @@
-"""The README's commands run as written (issue 16).
+"""The README's commands run as written.
 
 * Every `lorafleet` command in its `sh` blocks parses with the real parser (a command or flag the
   CLI does not have, such as the `lorafleet webhooks` it once listed, fails here).

@@ -1,4 +1,4 @@
-"""output_format (issue 14): a job that asks for both formats stores two result files, each
+"""Output_format: a job that asks for both formats stores two result files, each
 at its own per-epoch key, write-once, bound to the lease, verified before the ledger records
 it; both are listed by GetJobArtifacts and survive the sweep of a finished job's storage."""
 

@@ -1,4 +1,4 @@
-"""Sample tasks (issue 13) on the worker stream, driven by scripted workers over real gRPC:
+"""Sample tasks on the worker stream, driven by scripted workers over real gRPC:
 queued by the ledger when a checkpoint commits and when the result is stored, granted only to a
 worker with no training job to claim, fenced to the stream they were granted on, failing
 without touching their job, and giving way to training."""

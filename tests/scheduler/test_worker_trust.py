@@ -1,6 +1,6 @@
 """Workers are strangers' machines: a hostile worker holding the worker token can touch only the
-lease it holds (DESIGN.md, "Trust"). Each test is an attack of issue 10's audit, scripted over a
-real stream against a real scheduler and Postgres."""
+lease it holds (DESIGN.md, "Trust"). Each test is an attack found by an audit from outside,
+scripted over a real stream against a real scheduler and Postgres."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Aspect-ratio bucketing (issue 14): the buckets, each image in the one nearest its aspect,
+"""Aspect-ratio bucketing: the buckets, each image in the one nearest its aspect,
 batches within one bucket, SDXL's micro-conditioning with the true values, and an exact resume
 through the checkpointed batch layout."""
 

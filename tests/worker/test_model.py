@@ -139,7 +139,7 @@ def test_a_pickled_model_is_refused_as_an_input_fault(
 def test_a_missing_model_path_is_an_input_fault_naming_it(
     tiny_model_dir: Path, field: str, ref: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 16: not a hub repo-id message after three attempts, but the job's fault at once."""
+    """Not a hub repo-id message after three attempts, but the job's fault at once."""
 
     def no_hub(*args: object, **kwargs: object) -> None:
         raise AssertionError("the hub must not be asked about a local path")

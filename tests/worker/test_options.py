@@ -302,7 +302,7 @@ def test_random_flip_changes_training(train: TrainFn) -> None:
 
 
 def test_a_validation_prompt_never_stops_training(train: TrainFn) -> None:
-    """Validation images are sample tasks (issue 13): a spec asking for them trains the same
+    """Validation images are sample tasks: a spec asking for them trains the same
     LoRA, and its run generates nothing and asks for no image upload."""
     spec = {"max_train_steps": 4, "random_flip": True}
     validated, recorder = train(

@@ -1,4 +1,4 @@
-"""Validation images from a sample task (issue 13) on the tiny model: the same images from a
+"""Validation images from a sample task on the tiny model: the same images from a
 checkpoint and from the result of the same step, on every call (seeded), a base model loaded
 once for many tasks, and weights that do not fit refused as an input fault."""
 

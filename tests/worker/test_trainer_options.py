@@ -1,5 +1,5 @@
-"""The trainer options of issue 14 on the tiny model (DoRA, LoRA dropout, Prodigy, repeats),
-and a run's randomness kept in its own generators (issue 12)."""
+"""The trainer options on the tiny model (DoRA, LoRA dropout, Prodigy, repeats),
+and a run's randomness kept in its own generators."""
 
 from __future__ import annotations
 

@@ -226,7 +226,7 @@ def validation_image_key(job_id: str, step: int, epoch: int, index: int) -> str:
 def sample_image_key(
     job_id: str, step: int, task_id: str, epoch: int, prompt_index: int, image_index: int
 ) -> str:
-    """A validation image made by a sample task (issue 13): by step, then by the task's lease
+    """A validation image made by a sample task: by step, then by the task's lease
     epoch, so a fenced-off holder can never overwrite what the recorded one stored."""
     return f"jobs/{job_id}/samples/{step}/{task_id}-e{epoch}/p{prompt_index}-i{image_index}.png"
 
@@ -279,7 +279,7 @@ class StoredImage:
 
 @dataclass(frozen=True, kw_only=True)
 class SampleTask:
-    """A job's validation images at one step, leased to a worker like a job (issue 13)."""
+    """A job's validation images at one step, leased to a worker like a job."""
 
     task_id: str
     job_id: str

@@ -687,7 +687,7 @@ def worker_text(value: str, max_chars: int) -> str:
     return value.replace("\x00", "")[:max_chars]
 
 
-# Sample tasks (issue 13) ----------------------------------------------------------------------
+# Sample tasks ----------------------------------------------------------------------
 
 
 def sample_settings_to_proto(settings: SampleSettings) -> fpb.SampleSettings:

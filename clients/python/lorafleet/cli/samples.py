@@ -1,4 +1,4 @@
-"""`lorafleet samples JOB`: a job's validation images (issue 13), downloaded by step, drawn as one
+"""`lorafleet samples JOB`: a job's validation images, downloaded by step, drawn as one
 grid picture (prompts by row, steps by column), or queued on request for a finished job.
 
 The grid needs Pillow (the `worker` extra ships it), like the timeline's PNG output.

@@ -948,7 +948,7 @@ def render_timeline_svg(
 
 
 def _samples_html(samples: Sequence[tuple[SampleImageInfo, bytes]]) -> str:
-    """The validation images at their steps (issue 13): a row per prompt and image, a column
+    """The validation images at their steps: a row per prompt and image, a column
     per step, each picture inline (a data: URI)."""
     if not samples:
         return ""

@@ -77,7 +77,7 @@ class WatchUpdate:
 
 @dataclass(frozen=True, kw_only=True)
 class SampleImageInfo:
-    """A stored validation image (issue 13)."""
+    """A stored validation image."""
 
     step: int
     prompt_index: int

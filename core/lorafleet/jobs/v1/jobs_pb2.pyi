@@ -487,7 +487,7 @@ class JobSpec(_message.Message):
     repeats: _builtins.int
     """Times each instance image appears per epoch; default 1."""
     aspect_ratio_bucketing: _builtins.bool
-    """Fields from 120 on (issue 14).
+    """Fields from 120 on.
     Aspect-ratio bucketing: each image keeps its aspect ratio, resized into the bucket nearest
     it (sides multiples of 64, area within resolution x resolution); a batch holds one bucket.
     Off: every image is cropped to a resolution x resolution square.

@@ -712,7 +712,7 @@ class Ledger:
         )
         return None if row is None else job_from_row(row)
 
-    # Sample tasks (issue 13) -------------------------------------------------------------------
+    # Sample tasks -------------------------------------------------------------------
 
     async def claim_sample_task(
         self, machine_id: str, vram_mb: int, lease_ttl_s: float, *, secret_sha256: bytes

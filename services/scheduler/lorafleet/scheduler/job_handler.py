@@ -251,7 +251,7 @@ class JobHandler:
         self, owner: str, job_id: str, *, after_event_id: int
     ) -> AsyncIterator[tuple[Job, JobEvent | None]]:
         """The job now, then each new event with the job as it stands; ends when it is final and
-        none of its sample tasks (validation images, issue 13) is still to run."""
+        none of its sample tasks (validation images) is still to run."""
         if after_event_id < 0:
             raise InvalidArgument("after_event_id", "must not be negative")
         job = await self.get(owner, job_id)
@@ -317,7 +317,7 @@ class JobHandler:
         num_images: int,
         seed: int,
     ) -> builtins.list[int]:
-        """Sample tasks on request (issue 13) for a finished job: against its result or a kept
+        """Sample tasks on request for a finished job: against its result or a kept
         checkpoint. Zero values take the job's validation settings."""
         job = await self.get(owner, job_id)
         if job.state is not JobState.SUCCEEDED or job.result is None:

@@ -213,7 +213,7 @@ class Agent(AsyncLifecycle):
         self._changed = asyncio.Event()
         self._session: _Session | None = None
         self._runner: LeaseRunner | SampleRunner | None = None
-        # The base pipeline sample tasks keep loaded between them (issue 13).
+        # The base pipeline sample tasks keep loaded between them.
         self.sample_pipelines = SamplePipelines()
         self._runner_task: asyncio.Task[LeaseResult] | None = None
         self._terminal: _Terminal | None = None
@@ -682,7 +682,7 @@ class Agent(AsyncLifecycle):
             self._enter_idle()
 
     def _on_grant(self, session: _Session, grant: fpb.LeaseGranted | fpb.SampleTaskGranted) -> None:
-        """A training lease or a sample task (a lease of its own kind, issue 13)."""
+        """A training lease or a sample task (a lease of its own kind)."""
         ref = fpb.LeaseRef(lease_id=grant.lease.lease_id, epoch=grant.lease.epoch)
         if self._state is State.DRAINING:
             # Granted before our Draining arrived: hand it back so it is re-queued at once.

@@ -1,4 +1,4 @@
-"""One sample task (issue 13), from grant to `SamplesStored`: the agent runs it like a lease.
+"""One sample task, from grant to `SamplesStored`: the agent runs it like a lease.
 
 A sample task is a lease of its own kind (the scheduler's dispatcher.py): the agent drives a
 `SampleRunner` through the same surface as a `LeaseRunner` (`run`, `cancel`, `abort`, `drain`,

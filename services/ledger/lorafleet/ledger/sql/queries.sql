@@ -320,7 +320,7 @@ WITH live AS (
                             checkpoint_key, checkpoint_bytes, checkpoint_sha256)
     SELECT job_id, 'CHECKPOINT_COMMITTED', lease_id, machine_id, epoch, $3, $4, $5, $6 FROM live
 ), sampled AS (
-    -- Validation images of this step: a sample task (issue 13), when the spec asks for them
+    -- Validation images of this step: a sample task, when the spec asks for them
     -- here (a prompt, and a step that is a multiple of validation_steps). Never twice a step.
     INSERT INTO sample_tasks (job_id, step, weights_key, weights_sha256, weights_is_checkpoint,
                               settings, max_failures)
@@ -357,7 +357,7 @@ WITH target AS (
     INSERT INTO job_events (job_id, kind, state, lease_id, machine_id, epoch, step, loss)
     SELECT job_id, 'SUCCEEDED', 'SUCCEEDED', lease_id, machine_id, epoch, $6, $7 FROM target
 ), sampled AS (
-    -- The result's validation images (issue 13), unless a checkpoint of the same step has them.
+    -- The result's validation images, unless a checkpoint of the same step has them.
     INSERT INTO sample_tasks (job_id, step, weights_key, weights_sha256, weights_is_checkpoint,
                               settings, max_failures)
     SELECT s.job_id, $6, $3, $5, false, lorafleet_sample_settings(s.spec), s.max_failures
@@ -707,7 +707,7 @@ SELECT decision_id, at, last_at, repeats, scaler_id, action, target, job_id, rea
        applied, error
 FROM scaler_decisions ORDER BY decision_id DESC LIMIT $1;
 
--- Sample tasks (issue 13): validation images on the fleet, leased like jobs ---------------------
+-- Sample tasks: validation images on the fleet, leased like jobs ---------------------
 
 -- name: claim_sample_task
 -- Like claim_job, for a worker that found no training job: the oldest claimable task, re-runs

@@ -102,7 +102,7 @@ class TrainingHooks:
       is only valid with the class images it was trained with.
 
     Validation images are not made here: the training thread never stops for them. They are
-    sample tasks on the fleet (issue 13; `lorafleet.worker.training.samples`), made from the
+    sample tasks on the fleet (`lorafleet.worker.training.samples`), made from the
     checkpoints and the result.
     """
 

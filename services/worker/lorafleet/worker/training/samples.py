@@ -1,4 +1,4 @@
-"""Validation images of a job's LoRA at one step, made by a sample task (issue 13).
+"""Validation images of a job's LoRA at one step, made by a sample task.
 
 A sample task brings the job's spec (base model, VAE, LoRA shape), the weights at one step (a
 lorafleet checkpoint or the result safetensors) and explicit settings (prompts, negative prompt,
