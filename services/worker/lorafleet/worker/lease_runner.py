@@ -37,7 +37,7 @@ import hashlib
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -551,18 +551,27 @@ class LeaseRunner:
         urls = self._urls
         prior = spec.with_prior_preservation
         with tracer.start_as_current_span("worker.download_inputs") as span:
-            downloads = asyncio.gather(
-                self._transfer.download_many(
+            # Generated class images download beside the rest; a failure of the rest (raised as
+            # it is, for its failure class) stops them.
+            generating = asyncio.ensure_future(
+                self._generated_class_images(list(urls.generated_class_images) if prior else [])
+            )
+            try:
+                instance_files = await self._transfer.download_many(
                     [(f.name, f.url) for f in urls.instance_files],
                     concurrency=self._config.download_concurrency,
-                ),
-                self._transfer.download_many(
-                    [(f.name, f.url) for f in urls.class_files] if prior else [],
-                    concurrency=self._config.download_concurrency,
-                ),
-                self._generated_class_images(list(urls.generated_class_images) if prior else []),
-            )
-            instance_files, class_files, generated = await downloads
+                )
+                class_files: Mapping[str, bytes] = {}
+                if prior and urls.class_files:
+                    class_files = await self._transfer.download_many(
+                        [(f.name, f.url) for f in urls.class_files],
+                        concurrency=self._config.download_concurrency,
+                    )
+                generated = await generating
+            finally:
+                if not generating.done():
+                    generating.cancel()
+                    await asyncio.gather(generating, return_exceptions=True)
             span.set_attribute("lorafleet.instance_files", len(instance_files))
             span.set_attribute("lorafleet.class_files", len(class_files))
             span.set_attribute("lorafleet.generated_class_images", len(generated))
