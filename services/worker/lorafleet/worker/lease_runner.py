@@ -601,29 +601,31 @@ class LeaseRunner:
         self, recorded: list[fpb.ClassImageDownload]
     ) -> dict[int, bytes]:
         """Class images earlier leases generated, each checked against the ledger's sha256 and
-        size, by index. One that does not download or match is left out (and generated again):
-        a notice says so."""
+        size, by index. One that does not download or match is left out (and generated again);
+        one notice names them all (one per image could trip the stream's message rate)."""
         gate = asyncio.Semaphore(self._config.download_concurrency)
 
-        async def fetch(download: fpb.ClassImageDownload) -> tuple[int, bytes] | None:
+        async def fetch(download: fpb.ClassImageDownload) -> tuple[int, bytes | str]:
             image = download.image
             try:
                 async with gate:
                     data = await self._transfer.download(download.url)
             except StorageError as exc:
-                await self._notice(f"class image {image.index} ({image.key}) was skipped: {exc}")
-                return None
+                return image.index, str(exc)[:200]
             actual = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
             if actual != image.sha256 or len(data) != image.size_bytes:
-                await self._notice(
-                    f"class image {image.index} ({image.key}) was skipped: sha256"
-                    f" {actual[:12]}... does not match the ledger's; generating it again"
-                )
-                return None
+                return image.index, f"sha256 {actual[:12]}... does not match the ledger's"
             return image.index, data
 
         fetched = await asyncio.gather(*(fetch(download) for download in recorded))
-        return dict(item for item in fetched if item is not None)
+        skipped = [(index, why) for index, why in fetched if isinstance(why, str)]
+        if skipped:
+            named = "; ".join(f"class image {index}: {why}" for index, why in skipped[:5])
+            more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
+            await self._notice(
+                f"recorded class images skipped and generated again ({len(skipped)}): {named}{more}"
+            )
+        return {index: data for index, data in fetched if isinstance(data, bytes)}
 
     async def _load_resume(
         self, candidates: list[fpb.CheckpointDownload]
