@@ -20,7 +20,8 @@ import pytest
 import safetensors.torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from lorafleet.core.model import RESULT_FILE_NAMES, upload_key
+from lorafleet.core.model import RESULT_FILE_NAMES, class_image_key, upload_key
+from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.scheduler.sessions import SessionState
 from lorafleet.worker.agent import Agent, AgentError, State
@@ -41,6 +42,7 @@ from tests.support.fleet import NUM_IMAGES, Fleet, running
 from tests.support.images import png
 from tests.support.jobs import OWNER, kinds
 from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
+from tests.support.workers import connect_worker, http_put
 
 # Real workers training the tiny model (in this process or as processes): slow, not in
 # the fast lane (README, Development).
@@ -138,6 +140,13 @@ class Observer:
 
         assert await asyncio.to_thread(wait), f"no training run #{index}"
         return self.runs[index]
+
+
+def _lease_runner(agent: Agent) -> LeaseRunner:
+    """The agent's last lease, a training one."""
+    runner = agent.recent_leases[-1]
+    assert isinstance(runner, LeaseRunner)
+    return runner
 
 
 def reference_lora(fleet: Fleet, spec: Any) -> bytes:
@@ -576,7 +585,12 @@ async def test_generated_class_images_are_stored_and_reused_on_resume(
         o.key.rsplit("/", 2)[-2] + "/" + o.key.rsplit("/", 1)[-1]
         for o in await fleet.scheduler.storage.list(f"jobs/{job.job_id}/")
     }
-    assert {"class_images/00000.png", "class_images/00001.png", "class_images/00002.png"} <= stored
+    # Keyed per lease (epoch 1 here), like checkpoints.
+    assert {
+        "class_images/00000-e1.png",
+        "class_images/00001-e1.png",
+        "class_images/00002-e1.png",
+    } <= stored
 
     resumed = Observer()
     second = Agent(
@@ -588,6 +602,77 @@ async def test_generated_class_images_are_stored_and_reused_on_resume(
     # The resumed attempt got the first one's class images back and generated none.
     assert sorted(again.class_inputs) == ["00000.png", "00001.png", "00002.png"]
     assert again.generated == [] and again.steps[0] == 4
+    # Each came from the ledger's record with its checksum, and verified.
+    assert _lease_runner(second).reused_class_images == [0, 1, 2]
+    assert _lease_runner(second).notices == []
+    spec = (await fleet.scheduler.ledger.get_job_any_owner(job.job_id)).spec  # type: ignore[union-attr]
+    data = await fleet.scheduler.storage.get_bytes(done.result.key)
+    reference = await asyncio.to_thread(reference_lora, fleet, spec)
+    assert hashlib.sha256(data).hexdigest() == hashlib.sha256(reference).hexdigest()
+
+
+@pytest.mark.filterwarnings(
+    "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
+)
+async def test_a_resuming_worker_trains_only_on_class_images_the_ledger_recorded(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    """A hostile holder leaves bad class images at its slots without announcing them: the next
+    (real) worker is not given them and generates its own. A recorded image whose stored bytes
+    no longer match the ledger's sha256 is generated again by the holder after that, which
+    reuses the others and still trains the LoRA an uninterrupted run trains."""
+    prior = {
+        "with_prior_preservation": True,
+        "class_prompt": "a photo of a dog",
+        "num_class_images": 3,
+        "max_train_steps": 4,
+        "checkpointing_steps": 2,
+    }
+    job = await fleet.client.submit(**prior)
+    async with connect_worker(fleet.channel, fleet.token, "mallory") as mallory:
+        first = await mallory.ready_for_lease()
+        slots = [fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_CLASS_IMAGE, index=i) for i in range(3)]
+        await mallory.send(
+            urls_requested=fpb.UrlsRequested(lease=mallory.ref(first.lease), slots=slots)
+        )
+        for upload in (await mallory.expect("urls_renewed")).urls.uploads:
+            await http_put(upload.url, png(1000 + upload.slot.index))
+        await mallory.send(draining=fpb.Draining(lease=mallory.ref(first.lease), reason="bye"))
+
+    observer = Observer(hold_at=3)
+    honest = Agent(
+        fleet.worker_config("m2"), trainer_factory=observer, qualification=cpu_qualification
+    )
+    async with running(honest) as task:
+        run = await observer.run(0)
+        await fleet.client.wait_event(
+            job.job_id, KIND.JOB_EVENT_KIND_CHECKPOINT_COMMITTED, lambda e: e.step == 2
+        )
+        assert await asyncio.to_thread(run.reached.wait, WAIT_S)
+        honest.drain("test drain")
+        run.release.set()
+        async with asyncio.timeout(WAIT_S):
+            await task
+    # Given nothing mallory stored: it generated all three itself, at its own keys.
+    assert run.class_inputs == [] and sorted(run.generated) == [0, 1, 2]
+    assert _lease_runner(honest).reused_class_images == []
+
+    # The store no longer holds what the ledger recorded for image 2.
+    await fleet.scheduler.storage.put_bytes(class_image_key(job.job_id, 2, 2), png(99))
+    resumed = Observer()
+    third = Agent(
+        fleet.worker_config("m3"), trainer_factory=resumed, qualification=cpu_qualification
+    )
+    async with running(third):
+        done = await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED)
+    again = resumed.runs[0]
+    assert sorted(again.class_inputs) == ["00000.png", "00001.png"] and again.generated == [2]
+    assert _lease_runner(third).reused_class_images == [0, 1]
+    (notice,) = _lease_runner(third).notices
+    assert "class image 2" in notice and "sha256" in notice
+    # Image 2 made again from its seed is the image the checkpoints were trained with: the run
+    # resumes from the drain's checkpoint (step 3).
+    assert again.steps[0] == 4
     spec = (await fleet.scheduler.ledger.get_job_any_owner(job.job_id)).spec  # type: ignore[union-attr]
     data = await fleet.scheduler.storage.get_bytes(done.result.key)
     reference = await asyncio.to_thread(reference_lora, fleet, spec)

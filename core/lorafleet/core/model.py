@@ -77,6 +77,18 @@ class Checkpoint:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ClassImage:
+    """A generated prior-preservation class image a lease stored and announced: recorded by
+    the ledger once the store held exactly these bytes, and given to the job's later holders."""
+
+    index: int
+    epoch: int
+    key: str
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobResult:
     """The stored LoRA: the diffusers file, or the kohya one when the job's output_format is
     kohya; with output_format both, `kohya` is the kohya file stored beside the diffusers one."""
@@ -301,8 +313,10 @@ class SampleTask:
     traceparent: str | None = None
 
 
-def class_image_key(job_id: str, index: int) -> str:
-    return f"jobs/{job_id}/class_images/{index:05d}.png"
+def class_image_key(job_id: str, index: int, epoch: int) -> str:
+    """Keyed per lease like checkpoints (`<index>-e<epoch>`): a holder writes only its own
+    epoch's keys, so nothing it stores is read by a later holder unless the ledger recorded it."""
+    return f"jobs/{job_id}/class_images/{index:05d}-e{epoch}.png"
 
 
 def upload_key(owner: str, prefix: str, name: str = "") -> str:

@@ -14,6 +14,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from lorafleet.core.errors import InvalidArgument
 from lorafleet.core.model import (
     Checkpoint,
+    ClassImage,
     EventKind,
     FailureClass,
     IdentityProof,
@@ -614,7 +615,7 @@ def upload_slot_key(
             raise InvalidArgument(
                 f"{field}.index", f"must be below num_class_images ({spec.num_class_images})"
             )
-        return class_image_key(job_id, slot.index)
+        return class_image_key(job_id, slot.index, epoch)
     raise InvalidArgument(f"{field}.kind", "unknown artifact kind")
 
 
@@ -645,6 +646,68 @@ def check_checkpoint_key(checkpoint: Checkpoint, job_id: str) -> None:
     expected = checkpoint_key(job_id, checkpoint.step, checkpoint.epoch)
     if checkpoint.key != expected:
         raise InvalidArgument("checkpoint_committed.key", f"must be {expected!r}")
+
+
+# Class images one ClassImagesCommitted may name: a worker announces them per generated batch.
+MAX_CLASS_IMAGES_PER_MESSAGE = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClassImagesReport:
+    lease: LeaseRef
+    images: tuple[ClassImage, ...]
+
+
+def class_images_report_from_proto(msg: fpb.ClassImagesCommitted) -> ClassImagesReport:
+    """The class images a ClassImagesCommitted announces, their fields checked, no index named
+    twice; their keys are checked against the sender's lease by `check_class_image_keys`."""
+    ref = lease_ref_from_proto(msg.lease, "class_images_committed.lease")
+    if not msg.images:
+        raise InvalidArgument("class_images_committed.images", "must name at least one image")
+    if len(msg.images) > MAX_CLASS_IMAGES_PER_MESSAGE:
+        raise InvalidArgument(
+            "class_images_committed.images", f"at most {MAX_CLASS_IMAGES_PER_MESSAGE} at once"
+        )
+    images: list[ClassImage] = []
+    seen: set[int] = set()
+    for n, image in enumerate(msg.images):
+        field = f"class_images_committed.images[{n}]"
+        _check_object(field, image.size_bytes, image.sha256)
+        if image.index in seen:
+            raise InvalidArgument(f"{field}.index", "names an image twice")
+        seen.add(image.index)
+        images.append(
+            ClassImage(
+                index=image.index,
+                epoch=ref.epoch,
+                key=image.key,
+                size_bytes=image.size_bytes,
+                sha256=image.sha256,
+            )
+        )
+    return ClassImagesReport(lease=ref, images=tuple(images))
+
+
+def check_class_image_keys(images: Sequence[ClassImage], job_id: str, spec: JobSpec) -> None:
+    """A lease announces class images only where it could store them (prior preservation,
+    indices below num_class_images), each at the one key of its job, index and epoch."""
+    for n, image in enumerate(images):
+        field = f"class_images_committed.images[{n}]"
+        if not spec.with_prior_preservation:
+            raise InvalidArgument(field, "the job trains without prior preservation")
+        if not 0 <= image.index < spec.num_class_images:
+            raise InvalidArgument(
+                f"{field}.index", f"must be 0 to num_class_images - 1 ({spec.num_class_images - 1})"
+            )
+        expected = class_image_key(job_id, image.index, image.epoch)
+        if image.key != expected:
+            raise InvalidArgument(f"{field}.key", f"must be {expected!r}")
+
+
+def class_image_to_proto(image: ClassImage) -> fpb.ClassImage:
+    return fpb.ClassImage(
+        index=image.index, key=image.key, size_bytes=image.size_bytes, sha256=image.sha256
+    )
 
 
 def result_from_success(msg: fpb.JobSucceeded) -> JobResult:

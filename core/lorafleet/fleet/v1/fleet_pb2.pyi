@@ -35,7 +35,9 @@ class _ArtifactKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Artifact
     sample tasks now (SampleTaskGranted); still signed for workers of earlier versions.
     """
     ARTIFACT_KIND_CLASS_IMAGE: _ArtifactKind.ValueType  # 3
-    """jobs/<job_id>/class_images/<index>.png (generated prior-preservation images)"""
+    """jobs/<job_id>/class_images/<index>-e<epoch>.png (generated prior-preservation images): keyed
+    per lease like checkpoints, so no holder writes an image another holder will read.
+    """
 
 class ArtifactKind(_ArtifactKind, metaclass=_ArtifactKindEnumTypeWrapper): ...
 
@@ -47,7 +49,9 @@ ARTIFACT_KIND_VALIDATION_IMAGE: ArtifactKind.ValueType  # 2
 sample tasks now (SampleTaskGranted); still signed for workers of earlier versions.
 """
 ARTIFACT_KIND_CLASS_IMAGE: ArtifactKind.ValueType  # 3
-"""jobs/<job_id>/class_images/<index>.png (generated prior-preservation images)"""
+"""jobs/<job_id>/class_images/<index>-e<epoch>.png (generated prior-preservation images): keyed
+per lease like checkpoints, so no holder writes an image another holder will read.
+"""
 Global___ArtifactKind: _TypeAlias = ArtifactKind  # noqa: Y015
 
 class _RevokeReason:
@@ -569,6 +573,65 @@ class Notice(_message.Message):
 Global___Notice: _TypeAlias = Notice  # noqa: Y015
 
 @_typing.final
+class ClassImage(_message.Message):
+    """A generated prior-preservation class image, stored at its ARTIFACT_KIND_CLASS_IMAGE slot."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    key: _builtins.str
+    size_bytes: _builtins.int
+    sha256: _builtins.str
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        key: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "key", b"key", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClassImage: _TypeAlias = ClassImage  # noqa: Y015
+
+@_typing.final
+class ClassImagesCommitted(_message.Message):
+    """Class images this lease generated and stored: the ledger records each once the store holds
+    exactly what is announced, and only recorded ones are given to the job's later holders. Send it
+    before the CheckpointCommitted of any checkpoint trained with them.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def lease(self) -> Global___LeaseRef: ...
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClassImage]: ...
+    def __init__(
+        self,
+        *,
+        lease: Global___LeaseRef | None = ...,
+        images: _abc.Iterable[Global___ClassImage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["images", b"images", "lease", b"lease"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClassImagesCommitted: _TypeAlias = ClassImagesCommitted  # noqa: Y015
+
+@_typing.final
 class SampleSettings(_message.Message):
     """What a sample task draws: every field explicit, so any worker makes the same images."""
 
@@ -775,6 +838,7 @@ class ConnectRequest(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     NOTICE_FIELD_NUMBER: _builtins.int
     SAMPLES_STORED_FIELD_NUMBER: _builtins.int
+    CLASS_IMAGES_COMMITTED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello: ...
     @_builtins.property
@@ -795,6 +859,8 @@ class ConnectRequest(_message.Message):
     def notice(self) -> Global___Notice: ...
     @_builtins.property
     def samples_stored(self) -> Global___SamplesStored: ...
+    @_builtins.property
+    def class_images_committed(self) -> Global___ClassImagesCommitted: ...
     def __init__(
         self,
         *,
@@ -808,12 +874,13 @@ class ConnectRequest(_message.Message):
         draining: Global___Draining | None = ...,
         notice: Global___Notice | None = ...,
         samples_stored: Global___SamplesStored | None = ...,
+        class_images_committed: Global___ClassImagesCommitted | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint_committed", b"checkpoint_committed", "draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "job_failed", b"job_failed", "job_succeeded", b"job_succeeded", "message", b"message", "notice", b"notice", "ready", b"ready", "samples_stored", b"samples_stored", "urls_requested", b"urls_requested"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint_committed", b"checkpoint_committed", "class_images_committed", b"class_images_committed", "draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "job_failed", b"job_failed", "job_succeeded", b"job_succeeded", "message", b"message", "notice", b"notice", "ready", b"ready", "samples_stored", b"samples_stored", "urls_requested", b"urls_requested"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_committed", b"checkpoint_committed", "draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "job_failed", b"job_failed", "job_succeeded", b"job_succeeded", "message", b"message", "notice", b"notice", "ready", b"ready", "samples_stored", b"samples_stored", "urls_requested", b"urls_requested"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_committed", b"checkpoint_committed", "class_images_committed", b"class_images_committed", "draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "job_failed", b"job_failed", "job_succeeded", b"job_succeeded", "message", b"message", "notice", b"notice", "ready", b"ready", "samples_stored", b"samples_stored", "urls_requested", b"urls_requested"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "ready", "heartbeat", "urls_requested", "checkpoint_committed", "job_succeeded", "job_failed", "draining", "notice", "samples_stored"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "ready", "heartbeat", "urls_requested", "checkpoint_committed", "job_succeeded", "job_failed", "draining", "notice", "samples_stored", "class_images_committed"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
@@ -873,6 +940,33 @@ class UploadUrl(_message.Message):
 Global___UploadUrl: _TypeAlias = UploadUrl  # noqa: Y015
 
 @_typing.final
+class ClassImageDownload(_message.Message):
+    """A class image an earlier lease of the job generated and the ledger recorded: verify its sha256
+    after downloading; regenerate it when it does not match.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IMAGE_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    url: _builtins.str
+    @_builtins.property
+    def image(self) -> Global___ClassImage: ...
+    def __init__(
+        self,
+        *,
+        image: Global___ClassImage | None = ...,
+        url: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["image", b"image"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClassImageDownload: _TypeAlias = ClassImageDownload  # noqa: Y015
+
+@_typing.final
 class CheckpointDownload(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -908,10 +1002,13 @@ class JobUrls(_message.Message):
     UPLOADS_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     KOHYA_RESULT_UPLOAD_FIELD_NUMBER: _builtins.int
+    GENERATED_CLASS_IMAGES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def instance_files(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileUrl]: ...
     @_builtins.property
-    def class_files(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileUrl]: ...
+    def class_files(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileUrl]:
+        """The owner's class images (class_data_prefix)."""
+
     @_builtins.property
     def checkpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___CheckpointDownload]:
         """Committed checkpoints, newest first: resume from the first that verifies."""
@@ -932,6 +1029,12 @@ class JobUrls(_message.Message):
         takes the diffusers file; with output_format kohya, result_upload takes the kohya file).
         """
 
+    @_builtins.property
+    def generated_class_images(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClassImageDownload]:
+        """Generated class images recorded under earlier leases of the job (prior preservation), at most
+        one per index: reuse those that verify instead of generating them again.
+        """
+
     def __init__(
         self,
         *,
@@ -942,10 +1045,11 @@ class JobUrls(_message.Message):
         uploads: _abc.Iterable[Global___UploadUrl] | None = ...,
         expires_at: _timestamp_pb2.Timestamp | None = ...,
         kohya_result_upload: Global___UploadUrl | None = ...,
+        generated_class_images: _abc.Iterable[Global___ClassImageDownload] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "kohya_result_upload", b"kohya_result_upload", "result_upload", b"result_upload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "class_files", b"class_files", "expires_at", b"expires_at", "instance_files", b"instance_files", "kohya_result_upload", b"kohya_result_upload", "result_upload", b"result_upload", "uploads", b"uploads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "class_files", b"class_files", "expires_at", b"expires_at", "generated_class_images", b"generated_class_images", "instance_files", b"instance_files", "kohya_result_upload", b"kohya_result_upload", "result_upload", b"result_upload", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -29,6 +29,7 @@ import asyncpg
 from lorafleet.core.errors import LedgerUnavailable, LorafleetError
 from lorafleet.core.model import (
     Checkpoint,
+    ClassImage,
     EventKind,
     FailureClass,
     Job,
@@ -693,6 +694,36 @@ class Ledger:
             checkpoint.sha256,
         )
         return row is not None
+
+    async def commit_class_images(
+        self, lease_id: str, epoch: int, images: Sequence[ClassImage]
+    ) -> bool:
+        """Records generated class images the store verified, under the live lease only (one
+        statement: all of them or none). False: the lease is no longer the job's."""
+        row = await self._fetchrow(
+            "commit_class_images",
+            _uuid_or_nil(lease_id),
+            epoch,
+            [image.index for image in images],
+            [image.key for image in images],
+            [image.size_bytes for image in images],
+            [image.sha256 for image in images],
+        )
+        return row is not None
+
+    async def recorded_class_images(self, job_id: str, epoch: int) -> list[ClassImage]:
+        """The class images leases before `epoch` recorded, the newest per index, by index."""
+        rows = await self._fetch("recorded_class_images", uuid.UUID(job_id), epoch)
+        return [
+            ClassImage(
+                index=r["image_index"],
+                epoch=r["epoch"],
+                key=r["key"],
+                size_bytes=r["size_bytes"],
+                sha256=r["sha256"],
+            )
+            for r in rows
+        ]
 
     async def succeed_job(
         self, lease_id: str, epoch: int, result: JobResult, *, step: int, loss: float | None

@@ -26,6 +26,7 @@ from lorafleet.core.errors import (
 from lorafleet.core.serde import (
     checkpoint_report_from_proto,
     checkpoint_to_proto,
+    class_images_report_from_proto,
     draining_report_from_proto,
     event_to_proto,
     failure_report_from_proto,
@@ -368,6 +369,9 @@ class WorkerServicer(fgrpc.WorkerServiceServicer):
         elif kind == "checkpoint_committed":
             report = checkpoint_report_from_proto(request.checkpoint_committed)
             await handler.checkpoint_committed(session, report)
+        elif kind == "class_images_committed":
+            class_images = class_images_report_from_proto(request.class_images_committed)
+            await handler.class_images_committed(session, class_images)
         elif kind == "job_succeeded":
             await handler.job_succeeded(session, success_report_from_proto(request.job_succeeded))
         elif kind == "job_failed":

@@ -41,6 +41,8 @@ class ActiveLease:
     # Checkpoint steps announced on this stream: a repeat is ignored, never verified (hashed)
     # or recorded again.
     announced_steps: set[int] = field(default_factory=set)
+    # Class image indices recorded from this stream, likewise never verified again.
+    announced_class_images: set[int] = field(default_factory=set)
     # Set for a sample task's lease; None for a training lease.
     task: SampleTask | None = None
     # The lease's place in the job's trace (the grant span; after a resume, the submit span):

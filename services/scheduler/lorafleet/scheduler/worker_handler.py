@@ -20,6 +20,7 @@ from lorafleet.core.errors import AlreadyExists, StaleLease
 from lorafleet.core.model import FailureClass, Job, JobState, LeaseRef
 from lorafleet.core.serde import (
     CheckpointReport,
+    ClassImagesReport,
     DrainingReport,
     FailureReport,
     HeartbeatReport,
@@ -29,6 +30,7 @@ from lorafleet.core.serde import (
     UrlsRequest,
     WorkerHello,
     check_checkpoint_key,
+    check_class_image_keys,
     check_result_keys,
     check_stored_images,
     lease_ref_to_proto,
@@ -323,6 +325,39 @@ class WorkerHandler:
             step=checkpoint.step,
         )
         self._background.spawn(self._sweeper.prune_checkpoints(lease.job_id), "prune checkpoints")
+
+    async def class_images_committed(self, session: WorkerSession, msg: ClassImagesReport) -> None:
+        """Generated class images stored under this stream's training lease: each verified in
+        the store, then all recorded at once. Only recorded ones reach a later holder."""
+        ref = msg.lease
+        try:
+            job = await self._live_lease(session, ref)
+        except StaleLease as exc:
+            self._reject(session, ref, str(exc))
+            return
+        check_class_image_keys(msg.images, job.job_id, job.spec)
+        lease = session.lease
+        assert lease is not None  # _live_lease found it this stream's
+        # A repeat (a worker re-announcing after a reconnect) is not hashed again.
+        images = [i for i in msg.images if i.index not in lease.announced_class_images]
+        if not images:
+            return
+        for image in images:
+            if not await self._stored_as_announced(
+                session, ref, image.key, image.size_bytes, image.sha256
+            ):
+                return
+        if not await self._ledger.commit_class_images(ref.lease_id, ref.epoch, images):
+            self._reject(session, ref, "the lease is no longer the job's")
+            return
+        lease.announced_class_images.update(image.index for image in images)
+        log.info(
+            "class images recorded",
+            job_id=job.job_id,
+            lease_id=ref.lease_id,
+            machine_id=session.machine.machine_id,
+            indices=[image.index for image in images],
+        )
 
     async def job_succeeded(self, session: WorkerSession, msg: SuccessReport) -> None:
         ref, result = msg.lease, msg.result

@@ -333,6 +333,29 @@ WITH live AS (
 )
 SELECT job_id FROM live;
 
+-- name: commit_class_images
+-- $1 lease, $2 epoch; $3 indices, $4 keys, $5 bytes, $6 sha256s of generated class images the
+-- store verified. Recorded only under the live lease, all or none; a repeat changes nothing.
+WITH live AS (
+    SELECT job_id, epoch FROM jobs
+    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
+    FOR UPDATE
+), recorded AS (
+    INSERT INTO class_images (job_id, image_index, epoch, key, size_bytes, sha256)
+    SELECT l.job_id, i.image_index, l.epoch, i.key, i.size_bytes, i.sha256
+    FROM live l,
+         unnest($3::integer[], $4::text[], $5::bigint[], $6::text[])
+             AS i (image_index, key, size_bytes, sha256)
+    ON CONFLICT (job_id, image_index, epoch) DO NOTHING
+)
+SELECT job_id FROM live;
+
+-- name: recorded_class_images
+-- $1 job, $2 epoch: the class images leases before epoch $2 recorded, the newest per index.
+SELECT DISTINCT ON (image_index) * FROM class_images
+WHERE job_id = $1 AND epoch < $2
+ORDER BY image_index, epoch DESC;
+
 -- name: succeed_job
 -- $1 lease, $2 epoch, $3 result key, $4 bytes, $5 sha256, $6 step, $7 loss; $8-$10 the kohya
 -- file's key, bytes and sha256 beside it (output_format both), else NULL.
