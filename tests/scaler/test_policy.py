@@ -13,10 +13,10 @@ from lorafleet.scaler.policy import (
     Decision,
     JobShape,
     NodeView,
+    PaceObservation,
     PastAction,
     PolicyConfig,
     QueuedJob,
-    PaceObservation,
     Snapshot,
     decide,
 )
