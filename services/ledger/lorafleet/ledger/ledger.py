@@ -234,6 +234,10 @@ class PaceRecord:
     live: bool
     observed_steps: int | None
     observed_seconds: float | None
+    # A lease that ended with a verified result: the steps it had to run, grant to end (the
+    # model's loading included; None otherwise).
+    completed_steps: int | None
+    completed_seconds: float | None
     reported_seconds_per_step: float | None
     reported_steps: int
     resolution: int
@@ -1016,6 +1020,8 @@ class Ledger:
                 live=r["live"],
                 observed_steps=r["observed_steps"],
                 observed_seconds=r["observed_seconds"],
+                completed_steps=r["completed_steps"],
+                completed_seconds=r["completed_seconds"],
                 reported_seconds_per_step=r["reported_seconds_per_step"],
                 reported_steps=r["reported_steps"],
                 resolution=r["resolution"],

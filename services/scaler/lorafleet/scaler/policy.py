@@ -30,7 +30,8 @@ and its reports must never move that machine's instance.
    look slow:
    * a pace *observation* is what the scheduler saw: the steps between the first and the last
      checkpoint the store verified under one lease, over the ledger's clock between their
-     commits, once it spans `slow_warmup_steps`;
+     commits, once it spans `slow_warmup_steps` (for a lease with fewer checkpoints that ended
+     with a verified result: its steps over the time from grant to end);
    * the peers are the other live (listed by the provider now) and verified machines, each
      counted once per job shape (the median of its observations), and there must be at least
      `slow_min_peers` of them: a stream that made up a machine id, or a machine that left,
@@ -140,7 +141,8 @@ class PaceObservation:
     shape: JobShape
     # Whether the lease is still the job's (the judged pace is the live lease's).
     live: bool = True
-    # None until two verified checkpoints of the lease are `observed_steps` apart.
+    # None until two verified checkpoints of the lease are `observed_steps` apart (or, with fewer,
+    # until the lease ended with a verified result: its steps from grant to end).
     observed_seconds_per_step: float | None = None
     observed_steps: int = 0
     # The worker's own claim: it may only ever count against this node.

@@ -350,11 +350,13 @@ class Scaler(AsyncLifecycle):
         paces = await self._ledger.pace_observations(self._observation_window_s, _MAX_OBSERVATIONS)
         by_machine: dict[str, list[PaceObservation]] = defaultdict(list)
         for p in paces:
-            observed = (
-                p.observed_seconds / p.observed_steps
-                if p.observed_steps and p.observed_seconds is not None
-                else None
-            )
+            # Between verified checkpoints; else, for a lease that ended with a verified result,
+            # grant to end (its loading included: it can only make the peers look slower).
+            observed, steps = None, 0
+            if p.observed_steps and p.observed_seconds is not None:
+                observed, steps = p.observed_seconds / p.observed_steps, p.observed_steps
+            elif p.completed_steps and p.completed_seconds is not None:
+                observed, steps = p.completed_seconds / p.completed_steps, p.completed_steps
             by_machine[p.machine_id].append(
                 PaceObservation(
                     job_id=p.job_id,
@@ -366,7 +368,7 @@ class Scaler(AsyncLifecycle):
                     ),
                     live=p.live,
                     observed_seconds_per_step=observed,
-                    observed_steps=p.observed_steps or 0,
+                    observed_steps=steps,
                     reported_seconds_per_step=p.reported_seconds_per_step,
                     reported_steps=p.reported_steps,
                 )

@@ -643,11 +643,14 @@ LIMIT $3;
 -- name: pace_observations
 -- What the scheduler itself saw of each lease granted in the last $1 s (newest first, at most
 -- $2): the steps between the first and the last checkpoint the store verified under it, and
--- the ledger's clock between their commits (NULL with fewer than two); beside it what the
--- holder said of its own pace (believed only against itself), whether the lease is live, the
--- job's shape, the machine's GPU and who vouched for its id ('': nobody).
+-- the ledger's clock between their commits (NULL with fewer than two); for a lease that ended
+-- with a verified result, the steps it had to run (max_train_steps less the checkpoint it
+-- resumed from) and the ledger's clock from grant to end; beside them what the holder said of
+-- its own pace (believed only against itself), whether the lease is live, the job's shape, the
+-- machine's GPU and who vouched for its id ('': nobody).
 WITH recent AS (
-    SELECT lease_id, job_id, epoch, machine_id, ended_at, seconds_per_step, first_step, last_step
+    SELECT lease_id, job_id, epoch, machine_id, granted_at, ended_at, end_reason,
+           seconds_per_step, first_step, last_step
     FROM leases
     WHERE granted_at > now() - make_interval(secs => $1)
     ORDER BY granted_at DESC
@@ -665,6 +668,12 @@ WITH recent AS (
 SELECT r.machine_id, r.job_id, r.epoch, r.ended_at IS NULL AS live,
        CASE WHEN v.steps > 0 AND v.seconds > 0 THEN v.steps END AS observed_steps,
        CASE WHEN v.steps > 0 AND v.seconds > 0 THEN v.seconds END AS observed_seconds,
+       CASE WHEN r.end_reason = 'succeeded' AND r.ended_at > r.granted_at
+                 AND j.max_train_steps > coalesce(g.step, 0)
+            THEN j.max_train_steps - coalesce(g.step, 0) END AS completed_steps,
+       CASE WHEN r.end_reason = 'succeeded' AND r.ended_at > r.granted_at
+                 AND j.max_train_steps > coalesce(g.step, 0)
+            THEN extract(epoch FROM r.ended_at - r.granted_at)::float8 END AS completed_seconds,
        r.seconds_per_step::float8 AS reported_seconds_per_step,
        greatest(coalesce(r.last_step - r.first_step, 0), 0) AS reported_steps,
        (j.spec ->> 'resolution')::int AS resolution,
@@ -675,7 +684,12 @@ SELECT r.machine_id, r.job_id, r.epoch, r.ended_at IS NULL AS live,
 FROM recent r
 JOIN jobs j ON j.job_id = r.job_id
 LEFT JOIN machines m ON m.machine_id = r.machine_id
-LEFT JOIN verified v ON v.lease_id = r.lease_id;
+LEFT JOIN verified v ON v.lease_id = r.lease_id
+LEFT JOIN LATERAL (
+    SELECT e.step FROM job_events e
+    WHERE e.job_id = r.job_id AND e.lease_id = r.lease_id AND e.kind = 'LEASE_GRANTED'
+    LIMIT 1
+) g ON r.end_reason = 'succeeded';
 
 -- name: scaler_work
 -- Queued and running work (jobs and sample tasks: a job's validation images need a node too),
