@@ -7,6 +7,8 @@ workers that prove their machine ids), with scripted hostile streams beside them
   supervisor vouched for), are nobody's peers: they are not live instances of the fleet.
 * A stream that says Hello under a provider instance's machine id before its worker connects
   and fails its qualification is not that instance: the scaler leaves the instance alone.
+* And the other way round: a slow node claiming speed is still judged on what the scheduler
+  observed of it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.scaler.policy import Action, PolicyConfig
-from tests.scaler.fleet_sim import finish, hold
+from tests.scaler.fleet_sim import FleetSim, Lease, SimWorker, finish, hold
 from tests.scaler.test_scenarios import COLD_START_S, World, applied
 from tests.support.fleet import WORKER_TOKEN
 from tests.support.workers import connect_worker, local_identity
@@ -117,3 +119,69 @@ async def test_a_squatter_failing_qualification_moves_no_instance(world: World) 
     assert await world.watch.value(
         "SELECT machine_id FROM leases WHERE end_reason = 'succeeded'"
     ) == (instance.machine_id)
+
+
+async def test_a_slow_node_lying_fast_is_dropped_on_what_the_scheduler_observed(
+    world: World,
+) -> None:
+    """The other side: a node cannot hide its slowness by claiming speed. Its two verified
+    checkpoints are 10 steps apart and span the peers' whole runs of 10,000 steps, so on the
+    ledger's clock it is at least a thousand times slower per step, whatever it says."""
+    # Scripted peers' paces differ by timing noise alone: "slow" is a hundred times the median.
+    policy = PolicyConfig(
+        max_replicas=4, slow_warmup_steps=10, slow_min_excess=100.0, cooldown_s=300
+    )
+    scaler = world.scaler(policy)
+    await scaler.acquire()
+    go, peers_done = asyncio.Event(), asyncio.Event()
+
+    async def sprint(sim: FleetSim, w: SimWorker, lease: Lease) -> None:
+        assert w.worker is not None
+        await go.wait()
+        await w.worker.heartbeat(lease.granted.lease, 1, seconds_per_step=1e-6)
+        await w.store_checkpoint(lease, 1)
+        await w.store_checkpoint(lease, 10_001)
+        w.settled.set()
+        await w.release.wait()
+
+    async def crawl(sim: FleetSim, w: SimWorker, lease: Lease) -> None:
+        assert w.worker is not None
+        await w.worker.heartbeat(lease.granted.lease, 1, seconds_per_step=1e-6)
+        await w.store_checkpoint(lease, 1)
+        await peers_done.wait()
+        await w.worker.heartbeat(lease.granted.lease, 11, seconds_per_step=1e-6)
+        await w.store_checkpoint(lease, 11)
+        w.settled.set()
+        await w.release.wait()
+
+    slow: list[str] = []
+    sim = world.sim(lambda m: crawl if m in slow else sprint)
+    await world.submit(4, max_train_steps=20_000)
+    await scaler.tick()
+    world.advance(COLD_START_S)
+    slow.append(sorted(i.machine_id for i in world.double.instances.values())[0])
+    await sim.sync()
+    checkpoints = "SELECT count(*) FROM checkpoints"
+    await world.watch.until(lambda: _eq(world.watch.value(checkpoints), 1), "its first one")
+    go.set()
+    await world.watch.until(lambda: _eq(world.watch.value(checkpoints), 7), "the peers' runs")
+    peers_done.set()
+    await world.watch.until(lambda: _eq(world.watch.value(checkpoints), 8), "its second one")
+    slow_worker = sim.workers[slow[0]]
+    assert slow_worker.lease is not None
+    slow_job = slow_worker.lease.job_id
+
+    outcomes = await scaler.tick()
+    (dropped,) = applied(outcomes, Action.DROP_LEASE)
+    assert (dropped.decision.target, dropped.decision.job_id) == (slow[0], slow_job)
+    figures = dropped.decision.figures
+    assert figures["pace_source"] == "verified checkpoints" and figures["observed_steps"] == 10
+    assert figures["reported_s_per_step"] == pytest.approx(1e-6)
+    assert figures["peer_machines"] == 3
+    (moved,) = applied(outcomes, Action.REALLOCATE)
+    assert moved.decision.figures["peer_observations"] == figures["peer_observations"]
+    # The row in the ledger carries the peer observations that justified it.
+    (row,) = [r for r in await world.ledger.list_scaler_decisions(20) if r.action == "drop_lease"]
+    assert row.applied and len(str(row.figures["peer_observations"]).split()) == 3
+    for w in sim.workers.values():
+        w.release.set()
