@@ -27,7 +27,13 @@ import grpc
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as jpb
 from tests.scaler.salad_double import SaladDouble
-from tests.support.workers import LEASE_SECRETS, ScriptedWorker, connect_worker, http_put
+from tests.support.workers import (
+    LEASE_SECRETS,
+    ScriptedWorker,
+    connect_worker,
+    http_put,
+    local_identity,
+)
 
 WAIT_S = 30.0
 
@@ -103,12 +109,15 @@ Script = Callable[["FleetSim", SimWorker, Lease], Awaitable[None]]
 
 
 async def pace(w: SimWorker, lease: Lease, *, s_per_step: float, steps: int = 20) -> int:
-    """Heartbeats from the resume point over `steps` steps at this pace, and a checkpoint at
-    the end; returns the last step. Acknowledged: the checkpoint's URL round-trip means the
-    scheduler has processed the heartbeats before it."""
+    """Heartbeats from the resume point over `steps` steps at this pace (what the worker says),
+    with a checkpoint at the first and the last (what the scheduler observes: `steps` steps in
+    the milliseconds between them, far faster than any claimed pace); returns the last step.
+    Acknowledged: the checkpoint's URL round-trip means the scheduler has processed the
+    heartbeats before it."""
     assert w.worker is not None
     start = (lease.resumed_from or 0) + 1
     await w.worker.heartbeat(lease.granted.lease, start, seconds_per_step=s_per_step)
+    await w.store_checkpoint(lease, start)
     end = start + steps
     await w.worker.heartbeat(lease.granted.lease, end, seconds_per_step=s_per_step)
     await w.store_checkpoint(lease, end)
@@ -155,7 +164,11 @@ class FleetSim:
         token: str,
         double: SaladDouble,
         scripts: Callable[[str], Script],
+        identity_secret: str = "",
     ) -> None:
+        # With the scheduler's identity secret, every worker proves its machine id (the local
+        # supervisor's token standing in for SaladCloud's): the scaler acts only on those.
+        self.identity_secret = identity_secret
         self.channel = channel
         self.token = token
         self.double = double
@@ -202,7 +215,12 @@ class FleetSim:
                 await w.task
 
     async def _run(self, w: SimWorker, connected: asyncio.Event) -> None:
-        async with connect_worker(self.channel, self.token, w.machine_id) as worker:
+        identity = (
+            local_identity(self.identity_secret, w.machine_id) if self.identity_secret else None
+        )
+        async with connect_worker(
+            self.channel, self.token, w.machine_id, identity=identity
+        ) as worker:
             w.worker = worker
             connected.set()
             await worker.send(ready=fpb.Ready())

@@ -8,11 +8,12 @@ import asyncio
 import json
 import uuid
 
+import asyncpg
 import pytest
 
 from lorafleet.app.main import build_parser
 from lorafleet.app.services import run_nodes, run_scaler, run_scaler_log
-from lorafleet.core.model import Machine, Qualification
+from lorafleet.core.model import Checkpoint, Machine, Qualification
 from lorafleet.core.spec import JobSpec
 from lorafleet.ledger.ledger import Ledger, NewJob
 from lorafleet.scaler.policy import PolicyConfig
@@ -85,8 +86,9 @@ def _salad_scaler_args(double: SaladDouble, database_url: str, *extra: str) -> a
 
 
 @pytest.fixture
-async def populated(ledger: Ledger) -> dict[str, str]:
-    """m1 runs a 512 px job at 1.5 s/step over 20 steps; m2 failed its probe; two decisions."""
+async def populated(ledger: Ledger, database_url: str) -> dict[str, str]:
+    """m1 runs a 512 px job observed at 1.5 s/step (verified checkpoints 30 steps and 45 s of the
+    ledger's clock apart) while it says 0.01; m2 failed its probe; two decisions."""
     await _machine(ledger, "m1")
     await _machine(ledger, "m2", qualified=False)
     (job,) = await ledger.insert_jobs("alice", [_job(resolution=512)])
@@ -100,8 +102,23 @@ async def populated(ledger: Ledger) -> dict[str, str]:
             step=step,
             loss=0.1,
             learning_rate=1e-4,
-            seconds_per_step=1.5,
+            seconds_per_step=0.01,
         )
+    for step in (5, 35):
+        assert await ledger.commit_checkpoint(
+            leased.lease_id,
+            leased.epoch,
+            Checkpoint(step=step, epoch=leased.epoch, key=f"k{step}", size_bytes=1, sha256="0"),
+        )
+    conn = await asyncpg.connect(database_url)
+    try:  # the first checkpoint was committed 45 s before the second
+        await conn.execute(
+            "UPDATE checkpoints SET committed_at ="
+            " (SELECT committed_at FROM checkpoints WHERE step = 35) - interval '45 s'"
+            " WHERE step = 5"
+        )
+    finally:
+        await conn.close()
     fold_into = None
     for _ in range(2):
         fold_into, _folded = await ledger.record_scaler_decision(
@@ -138,10 +155,12 @@ async def test_the_ledger_reads_behind_the_snapshot(
     assert [n.machine_id for n in await ledger.list_nodes(["m2"], fault_window_s=60, limit=5)] == [
         "m2"
     ]
-    (sample,) = await ledger.step_samples(3600, 100)
-    assert (sample.machine_id, sample.seconds_per_step, sample.steps) == ("m1", 1.5, 20)
-    assert (sample.resolution, sample.batch_size, sample.train_text_encoder) == (512, 1, False)
-    assert sample.gpu_class == "NVIDIA L4"
+    (pace,) = await ledger.pace_observations(3600, 100)
+    assert (pace.machine_id, pace.observed_steps, pace.live) == ("m1", 30, True)
+    assert pace.observed_seconds == pytest.approx(45.0)
+    assert pace.reported_seconds_per_step == pytest.approx(0.01) and pace.reported_steps == 20
+    assert (pace.resolution, pace.batch_size, pace.train_text_encoder) == (512, 1, False)
+    assert pace.gpu_class == "NVIDIA L4" and pace.identity_provider == ""
     work = await ledger.scaler_work()
     assert (work.queued, work.running) == (0, 1)
     # Only carried-out actions count for cooldowns and rate limits: neither HOLD nor a failure.

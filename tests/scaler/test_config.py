@@ -83,3 +83,13 @@ def test_ec2_config() -> None:
         "prod",
     )
     assert config.launch_template_version == "$Latest"
+
+
+def test_slow_min_peers_also_reads_its_old_variable_name() -> None:
+    # Renamed when a timing measurement became an "observation": old deployments keep working.
+    assert load(ScalerSettings, env={"LORAFLEET_SLOW_MIN_SAMPLES": "5"}).slow_min_peers == 5
+    assert load(ScalerSettings, env={"LORAFLEET_SLOW_MIN_PEERS": "4"}).slow_min_peers == 4
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ScalerSettings)
+    settings = load(ScalerSettings, parser.parse_args(["--slow-min-peers", "6"]), env={})
+    assert settings.policy_config().slow_min_peers == 6

@@ -13,11 +13,11 @@ from lorafleet.scaler.policy import (
     Decision,
     JobShape,
     NodeView,
+    PaceObservation,
     PastAction,
     PolicyConfig,
     QueuedJob,
     Snapshot,
-    StepSample,
     decide,
 )
 from lorafleet.scaler.provider import Instance, InstanceState
@@ -33,7 +33,7 @@ CFG = PolicyConfig(
     fault_window_s=3600,
     slow_warmup_steps=20,
     slow_stddevs=2.0,
-    slow_min_samples=3,
+    slow_min_peers=3,
     slow_min_excess=0.25,
     reallocate_share=0.1,
     reallocate_window_s=3600,
@@ -60,11 +60,28 @@ def inst(
 
 
 def node(name: str, **kw: Any) -> NodeView:
+    kw.setdefault("verified", True)
     return NodeView(machine_id=f"m-{name}", instance_id=name, gpu_class="rtx4090", **kw)
 
 
-def sample(job: str, s_per_step: float, steps: int = 100, shape: JobShape = SHAPE) -> StepSample:
-    return StepSample(job_id=job, shape=shape, seconds_per_step=s_per_step, steps=steps)
+def seen(
+    job: str, s_per_step: float, steps: int = 100, shape: JobShape = SHAPE, *, live: bool = True
+) -> PaceObservation:
+    """A pace the scheduler observed (verified checkpoints over its clock)."""
+    return PaceObservation(
+        job_id=job,
+        shape=shape,
+        live=live,
+        observed_seconds_per_step=s_per_step,
+        observed_steps=steps,
+    )
+
+
+def said(job: str, s_per_step: float, steps: int = 100) -> PaceObservation:
+    """A pace only the worker claims (heartbeats), nothing observed."""
+    return PaceObservation(
+        job_id=job, shape=SHAPE, reported_seconds_per_step=s_per_step, reported_steps=steps
+    )
 
 
 def past(ago_s: float, action: Action, target: str, job: str | None = None) -> PastAction:
@@ -371,6 +388,26 @@ BAD_CASES = [
         [],
         id="a reallocated instance on a new machine does not inherit old faults",
     ),
+    pytest.param(
+        snap(
+            instances=[inst("a")],
+            nodes=[node("a", qualified=False, verified=False)],
+            queued_jobs=1,
+        ),
+        CFG,
+        [("hold", "a")],
+        id="an unverified id's failed probe: the instance is not touched, a hold says why",
+    ),
+    pytest.param(
+        snap(
+            instances=[inst("a")],
+            nodes=[busy("a", fault_times=FAULTS, verified=False)],
+            running_jobs=1,
+        ),
+        CFG,
+        [("hold", "a")],
+        id="an unverified id's node faults: the instance is not touched",
+    ),
 ]
 
 
@@ -383,7 +420,7 @@ def test_bad_nodes(
 
 # -- slow nodes ------------------------------------------------------------------------------
 
-PEERS = [node(f"p{k}", samples=(sample(f"old{k}", s),)) for k, s in enumerate([1.0, 1.1, 0.9])]
+PEERS = [node(f"p{k}", observations=(seen(f"old{k}", s),)) for k, s in enumerate([1.0, 1.1, 0.9])]
 PEER_INSTANCES = [inst(f"p{k}") for k in range(3)]
 
 
@@ -392,7 +429,7 @@ def slow_snap(
 ) -> Snapshot:
     return snap(
         instances=[inst("slow"), *PEER_INSTANCES],
-        nodes=[busy("slow", "j1", samples=(sample("j1", s_per_step, steps),)), *peers],
+        nodes=[busy("slow", "j1", observations=(seen("j1", s_per_step, steps),)), *peers],
         running_jobs=1,
         queued_jobs=3,
         **kw,
@@ -408,12 +445,12 @@ SLOW_CASES = [
     ),
     pytest.param(slow_snap(1.15), CFG, [], id="within two standard deviations"),
     pytest.param(slow_snap(12.0, steps=10), CFG, [], id="still warming up"),
-    pytest.param(slow_snap(12.0, peers=PEERS[:2]), CFG, [], id="too few peer samples"),
+    pytest.param(slow_snap(12.0, peers=PEERS[:2]), CFG, [], id="too few peer machines"),
     pytest.param(
         slow_snap(
             12.0,
             peers=[
-                node(f"p{k}", samples=(sample(f"o{k}", 1.0, shape=OTHER_GPU),)) for k in range(3)
+                node(f"p{k}", observations=(seen(f"o{k}", 1.0, shape=OTHER_GPU),)) for k in range(3)
             ],
         ),
         CFG,
@@ -422,20 +459,21 @@ SLOW_CASES = [
     ),
     pytest.param(
         slow_snap(
-            12.0, peers=[node(f"p{k}", samples=(sample(f"o{k}", 1.0, steps=5),)) for k in range(3)]
+            12.0,
+            peers=[node(f"p{k}", observations=(seen(f"o{k}", 1.0, steps=5),)) for k in range(3)],
         ),
         CFG,
         [],
         id="peers still warming up do not count",
     ),
     pytest.param(
-        slow_snap(1.1, peers=[node(f"p{k}", samples=(sample(f"o{k}", 1.0),)) for k in range(3)]),
+        slow_snap(1.1, peers=[node(f"p{k}", observations=(seen(f"o{k}", 1.0),)) for k in range(3)]),
         CFG,
         [],
         id="identical peers: 10% slower is not slow",
     ),
     pytest.param(
-        slow_snap(1.5, peers=[node(f"p{k}", samples=(sample(f"o{k}", 1.0),)) for k in range(3)]),
+        slow_snap(1.5, peers=[node(f"p{k}", observations=(seen(f"o{k}", 1.0),)) for k in range(3)]),
         CFG,
         [("drop", "m-slow", "j1"), ("reallocate", "slow")],
         id="identical peers: 50% slower is slow",
@@ -452,6 +490,100 @@ SLOW_CASES = [
         [("drop", "m-slow", "j1"), ("hold", "slow")],
         id="rate limit hit: the lease is dropped, the reallocation held",
     ),
+    pytest.param(
+        slow_snap(12.0, recent_actions=[past(600, Action.DROP_LEASE, "m-other", "j9")]),
+        CFG,
+        [("hold", "m-slow")],
+        id="drop rate limit hit: neither drop nor reallocation, a hold says why",
+    ),
+    pytest.param(
+        slow_snap(12.0, peers=[replace(p, verified=False) for p in PEERS]),
+        CFG,
+        [],
+        id="unverified peers are nobody's peers",
+    ),
+    pytest.param(
+        snap(
+            instances=[inst("slow"), *PEER_INSTANCES[:2]],
+            nodes=[busy("slow", "j1", observations=(seen("j1", 12.0),)), *PEERS],
+            running_jobs=1,
+            queued_jobs=2,
+        ),
+        CFG,
+        [],
+        id="a peer whose instance is gone counts no more",
+    ),
+    pytest.param(
+        slow_snap(
+            12.0,
+            peers=[
+                *PEERS[:2],
+                node("p2", observations=tuple(seen(f"f{k}", 0.001) for k in range(50))),
+            ],
+        ),
+        CFG,
+        [("drop", "m-slow", "j1"), ("reallocate", "slow")],
+        id="one machine's many leases are one observation",
+    ),
+    pytest.param(
+        slow_snap(1.05, peers=[*PEERS[:2], node("p2", observations=(seen("f", 1e-6),))]),
+        CFG,
+        [],
+        id="one liar among the peers moves the median little",
+    ),
+    pytest.param(
+        slow_snap(
+            12.0, peers=[node(f"p{k}", observations=(said(f"o{k}", 1.0),)) for k in range(3)]
+        ),
+        CFG,
+        [],
+        id="what peers say of themselves is no observation",
+    ),
+    pytest.param(
+        snap(
+            instances=[inst("slow"), *PEER_INSTANCES],
+            nodes=[busy("slow", "j1", observations=(said("j1", 12.0),)), *PEERS],
+            running_jobs=1,
+            queued_jobs=3,
+        ),
+        CFG,
+        [("drop", "m-slow", "j1"), ("reallocate", "slow")],
+        id="a node's own claim convicts itself",
+    ),
+    pytest.param(
+        snap(
+            instances=[inst("slow"), *PEER_INSTANCES],
+            nodes=[
+                busy(
+                    "slow",
+                    "j1",
+                    observations=(
+                        replace(seen("j1", 12.0), reported_seconds_per_step=0.5, reported_steps=99),
+                    ),
+                ),
+                *PEERS,
+            ],
+            running_jobs=1,
+            queued_jobs=3,
+        ),
+        CFG,
+        [("drop", "m-slow", "j1"), ("reallocate", "slow")],
+        id="a node's fast claim does not hide what was observed",
+    ),
+    pytest.param(
+        snap(
+            instances=[inst("slow"), *PEER_INSTANCES],
+            nodes=[
+                busy("slow", "j1", observations=(seen("j1", 12.0),), verified=False),
+                *PEERS,
+            ],
+            running_jobs=1,
+            queued_jobs=3,
+        ),
+        CFG,
+        [],
+        id="an unverified node's instance is never touched",
+    ),
 ]
 
 
@@ -465,8 +597,12 @@ def test_slow_nodes(
 def test_slow_decision_carries_its_figures() -> None:
     drop = decide(slow_snap(12.0), CFG)[0]
     assert drop.figures["seconds_per_step"] == 12.0
-    assert drop.figures["peer_samples"] == 3
-    assert drop.figures["peer_mean_s"] == pytest.approx(1.0)
+    assert drop.figures["peer_machines"] == 3
+    assert drop.figures["peer_median_s"] == pytest.approx(1.0)
+    assert drop.figures["pace_source"] == "verified checkpoints"
+    # The observations behind the verdict are on the record.
+    assert drop.figures["peer_observations"] == "m-p0=1 m-p1=1.1 m-p2=0.9"
+    assert drop.figures["drops_in_window"] == 1 and drop.figures["drops_allowed"] == 1
     assert "12 s/step" in drop.reason and "re-queued" in drop.reason
 
 
@@ -603,6 +739,17 @@ STRANDED_CASES = [
         [("scale", 2, ("a",))],
         id="scale in removes the node banned from all queued work",
     ),
+    pytest.param(
+        snap(
+            instances=[inst("a")],
+            nodes=[node("a", verified=False)],
+            queued_jobs=1,
+            banned_queued=[BANNED_A],
+        ),
+        CFG,
+        [("scale", 2, ())],
+        id="bans under an unverified id move no instance: a replica is added",
+    ),
 ]
 
 
@@ -654,7 +801,7 @@ def test_deletion_costs(snapshot: Snapshot, expected: list[tuple[Any, ...]]) -> 
     [
         {"min_replicas": 3, "max_replicas": 2},
         {"max_step": 0},
-        {"slow_min_samples": 1},
+        {"slow_min_peers": 1},
         {"reallocate_share": 1.5},
         {"idle_deletion_cost": 100_000},
     ],

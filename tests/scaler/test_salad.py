@@ -270,8 +270,8 @@ async def test_policy_decisions_carried_out_on_salad(double: SaladDouble, make: 
         replicas=await provider.replicas(),
         instances=(a, b),
         nodes=(
-            NodeView(machine_id=a.machine_id, lease_job_id="j1"),
-            NodeView(machine_id=b.machine_id, qualified=False),
+            NodeView(machine_id=a.machine_id, lease_job_id="j1", verified=True),
+            NodeView(machine_id=b.machine_id, qualified=False, verified=True),
         ),
         running_jobs=1,
     )

@@ -99,7 +99,11 @@ class World:
 
     def sim(self, scripts: Callable[[str], Script]) -> FleetSim:
         sim = FleetSim(
-            channel=self.channel, token=WORKER_TOKEN, double=self.double, scripts=scripts
+            channel=self.channel,
+            token=WORKER_TOKEN,
+            double=self.double,
+            scripts=scripts,
+            identity_secret=self.scheduler.identity_secret,
         )
         self.sims.append(sim)
         return sim
@@ -322,7 +326,15 @@ async def test_a_node_failing_every_job_is_reallocated_before_any_job_fails(
 async def test_a_slow_node_is_dropped_and_its_job_finishes_elsewhere_from_its_checkpoint(
     world: World,
 ) -> None:
-    policy = PolicyConfig(max_replicas=4, slow_warmup_steps=10, slow_min_samples=3, cooldown_s=300)
+    # Scripted workers run 20 steps between two checkpoints in milliseconds: their observed
+    # paces differ by timing noise alone, so "slow" here means a hundred times the median.
+    policy = PolicyConfig(
+        max_replicas=4,
+        slow_warmup_steps=10,
+        slow_min_peers=3,
+        slow_min_excess=100.0,
+        cooldown_s=300,
+    )
     scaler = world.scaler(policy)
     await scaler.acquire()
     paces: dict[str, float] = {}
@@ -332,7 +344,9 @@ async def test_a_slow_node_is_dropped_and_its_job_finishes_elsewhere_from_its_ch
     world.advance(COLD_START_S)
     machines = sorted(i.machine_id for i in world.double.instances.values())
     slow = machines[0]
-    paces.update({machines[1]: 1.0, machines[2]: 1.1, machines[3]: 0.9, slow: 12.0})
+    # The peers say what they run at (as fast as observed, or faster); the slow one says 12 s a
+    # step: a claim that convicts only itself.
+    paces.update({machines[1]: 1e-5, machines[2]: 1.1e-5, machines[3]: 0.9e-5, slow: 12.0})
     await sim.sync()
     for w in sim.workers.values():
         async with asyncio.timeout(30):
@@ -341,6 +355,11 @@ async def test_a_slow_node_is_dropped_and_its_job_finishes_elsewhere_from_its_ch
     assert slow_worker.lease is not None
     slow_job = slow_worker.lease.job_id
 
+    # Each worker's second checkpoint is recorded (its commit is not acknowledged on the stream).
+    await world.watch.until(
+        lambda: _eq(world.watch.value("SELECT count(*) FROM checkpoints"), 8),
+        "two verified checkpoints a lease",
+    )
     outcomes = await scaler.tick()
     (dropped,) = applied(outcomes, Action.DROP_LEASE)
     assert (dropped.decision.target, dropped.decision.job_id) == (slow, slow_job)

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import grpc
 
+from lorafleet.core.identity import local_identity_token
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
 from tests.support.jobs import WAIT_S
@@ -116,20 +117,25 @@ async def connect_worker(
     held_secret: str | None = None,
     session_token: str | None = None,
     qualified: bool = True,
+    identity: fpb.ProviderIdentity | None = None,
+    gpu_model: str = "NVIDIA H200",
 ) -> AsyncIterator[ScriptedWorker]:
     """A scripted worker stream. By default it presents what the machine's previous stream was
-    given (session token, the held lease's secret); pass values to act as someone else."""
+    given (session token, the held lease's secret); pass values to act as someone else.
+    `identity`: the provider's proof of the machine id (none: an unverified machine)."""
     stub = fgrpc.WorkerServiceStub(channel)
     call = stub.Connect(metadata=(("authorization", f"Bearer {token}"),))
     worker = ScriptedWorker(machine_id=machine_id, call=call)
     hello = fpb.Hello(
         machine_id=machine_id,
         provider_instance_id=f"instance-{machine_id}",
-        gpu_model="NVIDIA H200",
+        gpu_model=gpu_model,
         vram_mb=vram_mb,
         qualification=fpb.Qualification(passed=qualified, detail="scripted"),
         version="test",
     )
+    if identity is not None:
+        hello.identity.CopyFrom(identity)
     if held is not None:
         hello.held_lease.CopyFrom(held)
         hello.held_lease_secret = (
@@ -145,6 +151,11 @@ async def connect_worker(
         yield worker
     finally:
         await _close(call)
+
+
+def local_identity(secret: str, machine_id: str) -> fpb.ProviderIdentity:
+    """The proof `lorafleet up`'s supervisor gives a worker it starts as `machine_id`."""
+    return fpb.ProviderIdentity(local_token=local_identity_token(secret, machine_id))
 
 
 async def _close(call: Any) -> None:

@@ -196,12 +196,13 @@ def estimate_json(e: pb.EstimateJobResponse) -> dict[str, Any]:
 def describe_estimate(e: pb.EstimateJobResponse) -> str:
     if not e.samples:
         return (
-            "no estimate: this fleet has run no job of this shape (resolution, batch size,"
-            " gradient accumulation, text-encoder training) lately"
+            "no estimate: too few of this fleet's machines have finished a job of this shape"
+            " (resolution, batch size, gradient accumulation, text-encoder training) lately"
         )
     text = (
         f"estimate   {e.seconds:.0f} s ({e.seconds / 3600:.2f} GPU-hours) at"
-        f" {e.seconds_per_step:.3f} s/step, the median of {e.samples} lease(s) of this shape"
+        f" {e.seconds_per_step:.3f} s/step, the median of {e.samples} machines' finished jobs"
+        " of this shape"
     )
     if e.price_per_gpu_hour:
         text += f"\ncost       ${e.dollars:.2f} at ${e.price_per_gpu_hour:.2f}/GPU-hour"

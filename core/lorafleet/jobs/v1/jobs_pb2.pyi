@@ -1480,12 +1480,15 @@ class EstimateJobResponse(_message.Message):
     SPEND_LIMIT_DOLLARS_FIELD_NUMBER: _builtins.int
     SPENT_DOLLARS_FIELD_NUMBER: _builtins.int
     seconds_per_step: _builtins.float
-    """Measured seconds per training step of finished and running jobs of the same shape
-    (resolution, batch size, gradient accumulation, text-encoder training) on this fleet over
-    the last week; 0 when there are none (then seconds and dollars are 0 too).
+    """Seconds per training step of jobs of the same shape (resolution, batch size, gradient
+    accumulation, text-encoder training) on this fleet over the last week, from verified
+    completions only (the scheduler's clock from grant to a result the store verified; what
+    workers report of their speed never counts): one figure per provider-verified machine, the
+    median of them. 0 while fewer machines than the operator's minimum (3 by default) have
+    finished one (then seconds and dollars are 0 too; spend limits then use a prior).
     """
     samples: _builtins.int
-    """How many leases the figure rests on."""
+    """How many provider-verified machines the figure rests on."""
     seconds: _builtins.float
     """max_train_steps x seconds_per_step."""
     price_per_gpu_hour: _builtins.float

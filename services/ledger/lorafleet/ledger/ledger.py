@@ -152,9 +152,10 @@ class ShapeWork:
 
 @dataclass(frozen=True, kw_only=True)
 class ShapePace:
-    """The fleet's median seconds per step on jobs of one shape, over `samples` leases."""
+    """The fleet's pace on jobs of one shape from verified completions: the median over
+    `machines` provider-verified machines (one figure each); 0 s/step when there are none."""
 
-    samples: int
+    machines: int
     seconds_per_step: float
 
 
@@ -223,17 +224,29 @@ class NodeRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepSampleRecord:
-    """A machine's pace on a job (its latest lease there), with the job's shape."""
+class PaceRecord:
+    """One lease's pace as the scheduler observed it (steps between the first and the last
+    verified checkpoint over the ledger's clock; None with fewer than two), beside what its
+    holder reported (a claim, believed only against the holder itself), with the job's shape."""
 
     machine_id: str
     job_id: str
-    seconds_per_step: float
-    steps: int
+    epoch: int
+    live: bool
+    observed_steps: int | None
+    observed_seconds: float | None
+    # A lease that ended with a verified result: the steps it had to run, grant to end (the
+    # model's loading included; None otherwise).
+    completed_steps: int | None
+    completed_seconds: float | None
+    reported_seconds_per_step: float | None
+    reported_steps: int
     resolution: int
     batch_size: int
     train_text_encoder: bool
     gpu_class: str
+    # Who vouched for the machine's id ("": nobody; its reports touch no one else).
+    identity_provider: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -513,7 +526,7 @@ class Ledger:
             train_text_encoder,
         )
         assert row is not None
-        return ShapePace(samples=row["samples"], seconds_per_step=row["seconds_per_step"])
+        return ShapePace(machines=row["machines"], seconds_per_step=row["seconds_per_step"])
 
     async def revoke_api_key(self, key_id: str) -> bool:
         return await self._fetchrow("revoke_api_key", key_id) is not None
@@ -1029,19 +1042,26 @@ class Ledger:
             for r in rows
         ]
 
-    async def step_samples(self, window_s: float, limit: int) -> list[StepSampleRecord]:
+    async def pace_observations(self, window_s: float, limit: int) -> list[PaceRecord]:
         return [
-            StepSampleRecord(
+            PaceRecord(
                 machine_id=r["machine_id"],
                 job_id=str(r["job_id"]),
-                seconds_per_step=r["seconds_per_step"],
-                steps=r["steps"],
+                epoch=r["epoch"],
+                live=r["live"],
+                observed_steps=r["observed_steps"],
+                observed_seconds=r["observed_seconds"],
+                completed_steps=r["completed_steps"],
+                completed_seconds=r["completed_seconds"],
+                reported_seconds_per_step=r["reported_seconds_per_step"],
+                reported_steps=r["reported_steps"],
                 resolution=r["resolution"],
                 batch_size=r["batch_size"],
                 train_text_encoder=r["train_text_encoder"],
                 gpu_class=r["gpu_class"],
+                identity_provider=r["identity_provider"],
             )
-            for r in await self._fetch("step_samples", window_s, limit)
+            for r in await self._fetch("pace_observations", window_s, limit)
         ]
 
     async def scaler_work(self) -> ScalerWork:

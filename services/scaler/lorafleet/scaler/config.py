@@ -113,16 +113,27 @@ class ScalerSettings(ServiceSettings):
     )
     fault_window_s: float = Field(3600.0, gt=0, description="window for counting node faults")
     slow_warmup_steps: int = Field(
-        20, ge=0, description="steps a node runs a job before its pace is judged"
+        20,
+        ge=0,
+        description="steps a pace must span before it is judged (between verified checkpoints,"
+        " or of a node's own report)",
     )
     slow_stddevs: float = Field(
-        2.0, gt=0, description="standard deviations past its peers' mean that make a node slow"
+        2.0,
+        gt=0,
+        description="robust standard deviations (1.4826 x MAD) past its peers' median that make"
+        " a node slow",
     )
-    slow_min_samples: int = Field(
-        3, ge=2, description="peer samples of the same job shape needed to judge a pace"
+    slow_min_peers: int = Field(
+        3,
+        ge=2,
+        # The old name (when peers were "samples") keeps working.
+        validation_alias=AliasChoices("LORAFLEET_SLOW_MIN_PEERS", "LORAFLEET_SLOW_MIN_SAMPLES"),
+        description="live, provider-verified peer machines (one pace observation each) of the"
+        " same job shape needed to judge a pace",
     )
     slow_min_excess: float = Field(
-        0.25, ge=0, description="and at least this share slower than the peers' mean"
+        0.25, ge=0, description="and at least this share slower than the peers' median"
     )
     reallocate_share: float = Field(
         0.1, ge=0, le=1, description="most reallocations per window, as a share of the fleet"

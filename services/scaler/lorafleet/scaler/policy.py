@@ -9,18 +9,37 @@ them, with `--dry-run`) and records them in the ledger, where the next snapshot 
 
 The rules, in the order they claim the reallocation budget:
 
+Every rule that touches a provider instance acts only for a machine whose id a provider
+vouched for (`NodeView.verified`: a SaladCloud instance token, an EC2 identity document, the
+local supervisor's token): an unverified stream may have said Hello under another machine's id,
+and its reports must never move that machine's instance.
+
 1. **Bad node**: node faults at or past `fault_threshold` within `fault_window_s`, or a failed
    qualification probe: the node's instance is reallocated (Salad) / replaced (EC2) /
-   restarted in a fresh slot (local).
+   restarted in a fresh slot (local). An unverified one is left alone with a `HOLD` saying so
+   (the scheduler's quarantine still stops its grants).
 2. **No stranded job**: a queued job that every live instance's machine is banned from gets a
-   node: an idle banned instance is reallocated (it comes back on another machine), else a
-   replica is added (below `max_replicas`), else the job waits for a busy node to finish.
-3. **Slow node**: past `slow_warmup_steps` on its job, a node whose seconds per step exceeds
-   its peers' mean (same job shape: resolution, batch, text-encoder training, GPU class) by
-   more than `slow_stddevs` standard deviations, and by at least `slow_min_excess` of the mean
-   (identical peers have no spread; a 1% difference is not "slow"), with at least
-   `slow_min_samples` peer samples: its lease is dropped (the job is re-queued from its
-   checkpoint, the machine banned for it) and its instance reallocated.
+   node: an idle banned (verified) instance is reallocated (it comes back on another machine),
+   else a replica is added (below `max_replicas`), else the job waits for a busy node to finish.
+3. **Slow node**: a verified node whose pace on its leased job exceeds its peers' median (same
+   job shape: resolution, batch, text-encoder training, GPU class) by more than `slow_stddevs`
+   robust standard deviations (1.4826 x the median absolute deviation), and by at least
+   `slow_min_excess` of the median (identical peers have no spread; a 1% difference is not
+   "slow"): its lease is dropped (the job is re-queued from its checkpoint, the machine banned
+   for it) and its instance reallocated. What counts, so that a worker can make only itself
+   look slow:
+   * a pace *observation* is what the scheduler saw: the steps between the first and the last
+     checkpoint the store verified under one lease, over the ledger's clock between their
+     commits, once it spans `slow_warmup_steps` (for a lease with fewer checkpoints that ended
+     with a verified result: its steps over the time from grant to end);
+   * the peers are the other live (listed by the provider now) and verified machines, each
+     counted once per job shape (the median of its observations), and there must be at least
+     `slow_min_peers` of them: a stream that made up a machine id, or a machine that left,
+     moves nobody's statistic;
+   * the judged node's own pace is the slower of its observation and what it reports of
+     itself (past the warm-up): a worker's claim can convict only that worker.
+   Drops are rate-limited like reallocations (their own count, the same allowance per
+   `reallocate_window_s`); each DROP_LEASE row carries the observations behind it.
 4. **Replicas follow the work**: queued + running jobs (plus, while jobs queue, one for each
    bad node the rate limit keeps in place: the scheduler quarantines it), clamped to
    [min, max], against the provider's replica count (instances still starting count).
@@ -36,7 +55,8 @@ The rules, in the order they claim the reallocation budget:
    a scale-in the provider carries out by itself still removes idle nodes first. They come
    before a scale-in of the same tick; the victims it names are left at the 0 it gives them.
 
-Reallocations are rate-limited: at most max(`reallocate_min_per_window`,
+Reallocations (and, counted apart, slow-node drops) are rate-limited: at most
+max(`reallocate_min_per_window`,
 floor(`reallocate_share` x fleet)) per `reallocate_window_s`, so that a wave of faults cannot
 drain the fleet, while a fleet of one can still heal; and one instance is not reallocated
 again within `reallocate_holdoff_s` (its old node's facts linger while it moves). A rule that
@@ -79,8 +99,10 @@ class PolicyConfig:
     fault_threshold: int = 3
     fault_window_s: float = 3600.0
     slow_warmup_steps: int = 20
+    # Robust standard deviations (1.4826 x MAD) past the peers' median.
     slow_stddevs: float = 2.0
-    slow_min_samples: int = 3
+    # Distinct peer machines (one observation each per job shape) needed to judge a pace.
+    slow_min_peers: int = 3
     slow_min_excess: float = 0.25
     reallocate_share: float = 0.1
     reallocate_window_s: float = 3600.0
@@ -92,8 +114,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
             raise ValueError("need 0 <= min_replicas <= max_replicas")
-        if self.max_step < 1 or self.fault_threshold < 1 or self.slow_min_samples < 2:
-            raise ValueError("max_step, fault_threshold >= 1 and slow_min_samples >= 2")
+        if self.max_step < 1 or self.fault_threshold < 1 or self.slow_min_peers < 2:
+            raise ValueError("max_step, fault_threshold >= 1 and slow_min_peers >= 2")
         if not 0.0 <= self.reallocate_share <= 1.0 or self.reallocate_min_per_window < 0:
             raise ValueError("reallocate_share in [0, 1], reallocate_min_per_window >= 0")
         if not 0 <= self.idle_deletion_cost < self.busy_deletion_cost <= 100_000:
@@ -111,14 +133,21 @@ class JobShape:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepSample:
-    """One node's pace on one job: seconds per step over the steps it ran past warm-up."""
+class PaceObservation:
+    """One node's pace on one lease: what the scheduler observed (steps between verified
+    checkpoints over the ledger's clock), and beside it what the node reported of itself."""
 
     job_id: str
     shape: JobShape
-    seconds_per_step: float
-    # Steps this node has run on this job (a sample counts once past the warm-up).
-    steps: int
+    # Whether the lease is still the job's (the judged pace is the live lease's).
+    live: bool = True
+    # None until two verified checkpoints of the lease are `observed_steps` apart (or, with fewer,
+    # until the lease ended with a verified result: its steps from grant to end).
+    observed_seconds_per_step: float | None = None
+    observed_steps: int = 0
+    # The worker's own claim: it may only ever count against this node.
+    reported_seconds_per_step: float | None = None
+    reported_steps: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +161,10 @@ class NodeView:
     # The job this node holds a lease on; None when idle.
     lease_job_id: str | None = None
     fault_times: tuple[float, ...] = ()
-    samples: tuple[StepSample, ...] = ()
+    observations: tuple[PaceObservation, ...] = ()
+    # A provider vouched for the machine id (NodeRecord.identity_provider != ""): only then may
+    # its facts move its instance, or count among another node's peers.
+    verified: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,6 +264,14 @@ class _Fleet:
         self.reallocations_allowed = max(
             config.reallocate_min_per_window, math.floor(config.reallocate_share * size)
         )
+        # Slow-node drops have the same allowance, counted apart: a wave of "slow" verdicts
+        # (a statistic gone wrong) cannot empty the fleet's leases either.
+        self.drops_used = sum(
+            1
+            for a in snapshot.recent_actions
+            if a.action is Action.DROP_LEASE and a.at >= window_start
+        )
+        self.drops_allowed = self.reallocations_allowed
 
     def machine(self, inst: Instance) -> str:
         node = self.node_of.get(inst.instance_id)
@@ -300,6 +340,19 @@ def _bad_nodes(fleet: _Fleet) -> list[Decision]:
             )
         else:
             continue
+        if not node.verified:
+            # Anyone may say Hello under this machine's id; only a provider's word moves the
+            # instance. The scheduler's quarantine still keeps work off the stream.
+            out.append(
+                Decision(
+                    action=Action.HOLD,
+                    target=inst.instance_id,
+                    reason=f"{reason}, but no provider vouched for that machine id: its"
+                    " instance is not touched",
+                    figures={"machine_id": node.machine_id, "verified": "no"},
+                )
+            )
+            continue
         fleet.bad.add(inst.instance_id)
         if fleet.held_off(inst.instance_id):
             continue
@@ -336,8 +389,17 @@ def _stranded_jobs(fleet: _Fleet) -> tuple[int, list[Decision]]:
             "banned_machines": len(job.banned_machines),
         }
         reason = f"job {job.job_id} is banned from every live node"
+        # Only a verified machine's bans move its instance (an unverified stream may have
+        # collected them under another machine's id); otherwise a replica is added.
         idle = sorted(
-            (i for i in fleet.live if i.state is InstanceState.RUNNING and not fleet.busy(i)),
+            (
+                i
+                for i in fleet.live
+                if i.state is InstanceState.RUNNING
+                and not fleet.busy(i)
+                and (node := fleet.node_of.get(i.instance_id)) is not None
+                and node.verified
+            ),
             key=lambda i: i.instance_id,
         )
         if idle and fleet.reallocations_used < fleet.reallocations_allowed:
@@ -356,51 +418,110 @@ def _stranded_jobs(fleet: _Fleet) -> tuple[int, list[Decision]]:
     return 0, []
 
 
+def _peer_paces(fleet: _Fleet) -> dict[JobShape, dict[str, float]]:
+    """Per job shape, one observed pace per live, verified machine: the median of its
+    observations that span the warm-up. Departed machines and unverified streams count for
+    nothing, and a machine with many leases counts no more than one with a single lease."""
+    c = fleet.c
+    paces: dict[JobShape, dict[str, list[float]]] = {}
+    for _inst, node in fleet.live_with_nodes():
+        if not node.verified:
+            continue
+        for o in node.observations:
+            if o.observed_seconds_per_step is None or o.observed_steps < c.slow_warmup_steps:
+                continue
+            paces.setdefault(o.shape, {}).setdefault(node.machine_id, []).append(
+                o.observed_seconds_per_step
+            )
+    return {
+        shape: {m: statistics.median(xs) for m, xs in machines.items()}
+        for shape, machines in paces.items()
+    }
+
+
+def _own_pace(
+    node: NodeView, job_id: str, warmup: int
+) -> tuple[PaceObservation, float, str] | None:
+    """The node's pace on its live lease: the slower of what was observed and what it said of
+    itself (its claim can only make it look slow), with where the figure came from."""
+    for o in node.observations:
+        if o.job_id != job_id or not o.live:
+            continue
+        candidates: list[tuple[float, str]] = []
+        if o.observed_seconds_per_step is not None and o.observed_steps >= warmup:
+            candidates.append((o.observed_seconds_per_step, "verified checkpoints"))
+        if o.reported_seconds_per_step is not None and o.reported_steps >= warmup:
+            candidates.append((o.reported_seconds_per_step, "its own report"))
+        if candidates:
+            pace, source = max(candidates)
+            return o, pace, source
+    return None
+
+
 def _slow_nodes(fleet: _Fleet) -> list[Decision]:
     s, c = fleet.s, fleet.c
-    warm = [
-        (node.machine_id, sample)
-        for node in s.nodes
-        for sample in node.samples
-        if sample.steps >= c.slow_warmup_steps
-    ]
+    peer_paces = _peer_paces(fleet)
     out: list[Decision] = []
     for inst, node in fleet.live_with_nodes():
         job_id = node.lease_job_id
-        if job_id is None or inst.instance_id in fleet.moving:
+        if job_id is None or inst.instance_id in fleet.moving or not node.verified:
             continue
-        mine = [x for m, x in warm if m == node.machine_id and x.job_id == job_id]
-        if not mine:
+        own = _own_pace(node, job_id, c.slow_warmup_steps)
+        if own is None:
             continue
-        sample = max(mine, key=lambda x: x.steps)
-        peers = [
-            x.seconds_per_step for m, x in warm if m != node.machine_id and x.shape == sample.shape
-        ]
-        if len(peers) < c.slow_min_samples:
+        observation, pace, source = own
+        peers = {
+            m: x for m, x in peer_paces.get(observation.shape, {}).items() if m != node.machine_id
+        }
+        if len(peers) < c.slow_min_peers:
             continue
-        mean = statistics.fmean(peers)
-        stdev = statistics.stdev(peers)
-        limit = max(mean + c.slow_stddevs * stdev, mean * (1.0 + c.slow_min_excess))
-        if sample.seconds_per_step <= limit:
+        median = statistics.median(peers.values())
+        spread = _MAD_TO_SIGMA * statistics.median(abs(x - median) for x in peers.values())
+        limit = max(median + c.slow_stddevs * spread, median * (1.0 + c.slow_min_excess))
+        if pace <= limit:
             continue
         dropped = fleet.last(Action.DROP_LEASE, node.machine_id, job_id)
         if dropped is not None and s.now - dropped < c.cooldown_s:
             continue  # already asked; the ledger has not caught up yet
+        shown = sorted(peers.items())[:_PEERS_SHOWN]
         figures: dict[str, Figure] = {
             "machine_id": node.machine_id,
             "job_id": job_id,
-            "seconds_per_step": round(sample.seconds_per_step, 4),
-            "peer_mean_s": round(mean, 4),
-            "peer_stdev_s": round(stdev, 4),
+            "seconds_per_step": round(pace, 4),
+            "pace_source": source,
+            "observed_s_per_step": _rounded(observation.observed_seconds_per_step),
+            "observed_steps": observation.observed_steps,
+            "reported_s_per_step": _rounded(observation.reported_seconds_per_step),
+            "reported_steps": observation.reported_steps,
+            "peer_median_s": round(median, 4),
+            "peer_spread_s": round(spread, 4),
             "limit_s": round(limit, 4),
-            "peer_samples": len(peers),
-            "steps": sample.steps,
+            "peer_machines": len(peers),
+            "peer_observations": " ".join(f"{m}={x:.4g}" for m, x in shown)
+            + (" ..." if len(peers) > len(shown) else ""),
         }
         reason = (
-            f"node {node.machine_id} takes {sample.seconds_per_step:.3g} s/step on job"
-            f" {job_id}, past {limit:.3g} s (peers {mean:.3g} ± {stdev:.3g} s over"
-            f" {len(peers)} samples)"
+            f"node {node.machine_id} takes {pace:.3g} s/step ({source}) on job {job_id}, past"
+            f" {limit:.3g} s (peers: median {median:.3g} s, spread {spread:.3g} s over"
+            f" {len(peers)} verified machines)"
         )
+        if fleet.drops_used >= fleet.drops_allowed:
+            out.append(
+                Decision(
+                    action=Action.HOLD,
+                    target=node.machine_id,
+                    job_id=job_id,
+                    reason=f"{reason}; drop deferred: rate limit reached",
+                    figures={
+                        **figures,
+                        "drops_in_window": fleet.drops_used,
+                        "drops_allowed": fleet.drops_allowed,
+                        "window_s": c.reallocate_window_s,
+                    },
+                )
+            )
+            continue
+        fleet.drops_used += 1
         out.append(
             Decision(
                 action=Action.DROP_LEASE,
@@ -408,12 +529,25 @@ def _slow_nodes(fleet: _Fleet) -> list[Decision]:
                 job_id=job_id,
                 reason=f"{reason}: the job is re-queued from its checkpoint, this machine"
                 " banned for it",
-                figures=figures,
+                figures={
+                    **figures,
+                    "drops_in_window": fleet.drops_used,
+                    "drops_allowed": fleet.drops_allowed,
+                },
             )
         )
         if not fleet.held_off(inst.instance_id):
             out.append(fleet.reallocate(inst, reason, figures))
     return out
+
+
+# A normal distribution's standard deviation is 1.4826 times its median absolute deviation.
+_MAD_TO_SIGMA = 1.4826
+_PEERS_SHOWN = 20
+
+
+def _rounded(value: float | None) -> Figure:
+    return "" if value is None else round(value, 6)
 
 
 def _victims(fleet: _Fleet, count: int) -> list[str]:

@@ -8,14 +8,14 @@
 * **When it acts**: on a tick (`tick_interval_s`) and whenever the ledger says the work
   changed: the same connection LISTENs on the channels the jobs trigger NOTIFYs (a job became
   claimable, a lease ended). Tests drive `tick()` themselves.
-* **A tick**: a `Snapshot` from the provider (instances, replicas) and the ledger (nodes, their
-  faults and pace, the work, the banned queued jobs, the scaler's own recent actions), then
-  `policy.decide`, then each decision is recorded as a ledger row (a HOLD this scaler repeats
-  from its previous tick folds into that tick's row) and carried out: on the provider
-  (`actions.apply`) or, for DROP_LEASE, in the ledger. The row then says whether it was
-  applied, or why not, and an applied action's time becomes the time it took effect (what
-  cooldowns count from). A scale-in is not tried in a tick where a busy node's deletion cost
-  could not be raised.
+* **A tick**: a `Snapshot` from the provider (instances, replicas) and the ledger (the listed
+  instances' nodes, their faults, who vouched for them and their pace observations, the work,
+  the banned queued jobs, the scaler's own recent actions), then `policy.decide`, then each
+  decision is recorded as a ledger row (a HOLD this scaler repeats from its previous tick
+  folds into that tick's row) and carried out: on the provider (`actions.apply`) or, for
+  DROP_LEASE, in the ledger. The row then says whether it was applied, or why not, and an
+  applied action's time becomes the time it took effect (what cooldowns count from). A
+  scale-in is not tried in a tick where a busy node's deletion cost could not be raised.
 * **`--once`** (`run_once`) waits for the lock at most `lock_wait_s`, then raises `LockHeld`
   naming the holder (its lock session's application_name is `lorafleet-scaler:<id>`).
 * **A failing provider** never crashes the loop and never stands in for an empty fleet: if the
@@ -55,11 +55,11 @@ from lorafleet.scaler.policy import (
     Decision,
     JobShape,
     NodeView,
+    PaceObservation,
     PastAction,
     PolicyConfig,
     QueuedJob,
     Snapshot,
-    StepSample,
     decide,
 )
 from lorafleet.scaler.provider import Provider, ProviderError
@@ -74,7 +74,8 @@ LEASE_ENDED_CHANNEL = "lorafleet_lease_ended"
 # The target of a failed provider read (its row is kept apart from the fleet's HOLDs).
 PROVIDER = "provider"
 
-_MAX_SAMPLES = 20_000
+# The newest leases whose pace the scaler reads per tick (a week of a large fleet's leases).
+_MAX_OBSERVATIONS = 20_000
 _MAX_BANNED_JOBS = 1_000
 
 
@@ -164,7 +165,7 @@ class Scaler(AsyncLifecycle):
         report: Report | None = None,
         min_tick_gap_s: float = 1.0,
         reconnect_delay_s: float = 1.0,
-        sample_window_s: float = 7 * 24 * 3600.0,
+        observation_window_s: float = 7 * 24 * 3600.0,
     ) -> None:
         self._ledger = ledger
         self._dsn = database_url
@@ -177,7 +178,7 @@ class Scaler(AsyncLifecycle):
         self._report = report
         self._min_tick_gap_s = min_tick_gap_s
         self._reconnect_delay_s = reconnect_delay_s
-        self._sample_window_s = sample_window_s
+        self._observation_window_s = observation_window_s
         self._started_at = clock()
         self._conn: asyncpg.Connection | None = None
         self._lost = asyncio.Event()
@@ -346,24 +347,34 @@ class Scaler(AsyncLifecycle):
         replicas = await self._provider.replicas()
         c = self._policy
         work = await self._ledger.scaler_work()
-        samples = await self._ledger.step_samples(self._sample_window_s, _MAX_SAMPLES)
-        by_machine: dict[str, list[StepSample]] = defaultdict(list)
-        for s in samples:
-            by_machine[s.machine_id].append(
-                StepSample(
-                    job_id=s.job_id,
+        paces = await self._ledger.pace_observations(self._observation_window_s, _MAX_OBSERVATIONS)
+        by_machine: dict[str, list[PaceObservation]] = defaultdict(list)
+        for p in paces:
+            # Between verified checkpoints; else, for a lease that ended with a verified result,
+            # grant to end (its loading included: it can only make the peers look slower).
+            observed, steps = None, 0
+            if p.observed_steps and p.observed_seconds is not None:
+                observed, steps = p.observed_seconds / p.observed_steps, p.observed_steps
+            elif p.completed_steps and p.completed_seconds is not None:
+                observed, steps = p.completed_seconds / p.completed_steps, p.completed_steps
+            by_machine[p.machine_id].append(
+                PaceObservation(
+                    job_id=p.job_id,
                     shape=JobShape(
-                        resolution=s.resolution,
-                        batch_size=s.batch_size,
-                        train_text_encoder=s.train_text_encoder,
-                        gpu_class=s.gpu_class,
+                        resolution=p.resolution,
+                        batch_size=p.batch_size,
+                        train_text_encoder=p.train_text_encoder,
+                        gpu_class=p.gpu_class,
                     ),
-                    seconds_per_step=s.seconds_per_step,
-                    steps=s.steps,
+                    live=p.live,
+                    observed_seconds_per_step=observed,
+                    observed_steps=steps,
+                    reported_seconds_per_step=p.reported_seconds_per_step,
+                    reported_steps=p.reported_steps,
                 )
             )
-        # Live machines, and departed ones whose pace still counts among the peers.
-        ids = sorted({i.machine_id for i in instances if i.machine_id} | set(by_machine))
+        # The machines the provider lists now, and no others: one that left is nobody's peer.
+        ids = sorted({i.machine_id for i in instances if i.machine_id})
         records = (
             await self._ledger.list_nodes(ids, fault_window_s=c.fault_window_s, limit=len(ids))
             if ids
@@ -377,7 +388,8 @@ class Scaler(AsyncLifecycle):
                 qualified=r.qualified,
                 lease_job_id=r.lease_job_id,
                 fault_times=r.recent_fault_times,
-                samples=tuple(by_machine.get(r.machine_id, ())),
+                observations=tuple(by_machine.get(r.machine_id, ())),
+                verified=r.identity_provider != "",
             )
             for r in records
         )

@@ -15,6 +15,7 @@ from pydantic import AfterValidator, AliasChoices, Field, model_validator
 
 from lorafleet.core.settings import ServiceSettings
 from lorafleet.scheduler.identity import SALAD_JWKS_URL
+from lorafleet.scheduler.job_handler import PRIOR_S_PER_STEP
 from lorafleet.scheduler.storage import S3Config
 from lorafleet.scheduler.webhooks import canonical_networks
 
@@ -131,7 +132,23 @@ class SchedulerConfig(ServiceSettings):
         7 * 86400.0,
         gt=0,
         le=365 * 86400.0,
-        description="how far back EstimateJob looks for leases of the same job shape",
+        description="how far back EstimateJob and spend limits look for verified completions of"
+        " the same job shape",
+    )
+    estimate_min_machines: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="provider-verified machines (one figure each) that must have finished jobs of"
+        " a shape before EstimateJob gives a figure and spend limits use it",
+    )
+    estimate_prior_s_per_step: float = Field(
+        PRIOR_S_PER_STEP,
+        gt=0,
+        le=3600,
+        description="what spend limits assume per step of a shape not measured yet: seconds per"
+        " 1024x1024 image (scaled by resolution, batch, accumulation; x1.5 with text-encoder"
+        " training)",
     )
     webhook_max_attempts: int = Field(8, ge=1, le=100, description="webhook delivery attempts")
     webhook_backoff_s: float = Field(

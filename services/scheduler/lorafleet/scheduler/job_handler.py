@@ -32,11 +32,46 @@ MAX_EVENTS_PAGE = 10_000
 MAX_UPLOAD_FILES = 1000
 
 
+# With no measured pace, spend limits price a step at this many seconds per 1024x1024 image of
+# batch, times 1.5 with text-encoder training (override: `estimate_prior_s_per_step`). About
+# an SDXL LoRA step at 1024 px, batch 1, on the consumer 24 GB cards interruptible fleets are
+# made of (an RTX 4090 runs 0.7 to 1 s, a 3090 1.3 to 1.5 s), erring slow: a prior that is too
+# high refuses a submit a measurement would admit, one that is too low lets a key overrun.
+PRIOR_S_PER_STEP = 1.5
+_TEXT_ENCODER_FACTOR = 1.5
+
+
+def prior_seconds_per_step(
+    base: float,
+    *,
+    resolution: int,
+    batch_size: int,
+    gradient_accumulation_steps: int,
+    train_text_encoder: bool,
+) -> float:
+    """The prior pace of a shape: `base` scaled by pixels and images per optimizer step."""
+    images = batch_size * max(gradient_accumulation_steps, 1)
+    factor = _TEXT_ENCODER_FACTOR if train_text_encoder else 1.0
+    return base * (resolution / 1024) ** 2 * images * factor
+
+
 @dataclass(frozen=True, kw_only=True)
-class Estimate:
-    """Expected time and cost of a job from the fleet's measured pace on jobs of its shape."""
+class Pace:
+    """Seconds per step of a job shape: measured (verified completions on `machines`
+    provider-verified machines, at least the configured minimum), or else the prior."""
 
     seconds_per_step: float
+    machines: int
+    measured: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """Expected time and cost of a job from the fleet's measured pace on jobs of its shape
+    (0 s/step and 0 machines while too few machines have finished one: "no estimate")."""
+
+    seconds_per_step: float
+    # The provider-verified machines the figure rests on (one verified completion each, or more).
     samples: int
     seconds: float
     price_per_gpu_hour: float
@@ -82,9 +117,13 @@ class JobHandler:
         webhook_policy: AddressPolicy | None = None,
         price_per_gpu_hour: float = 0.0,
         estimate_window_s: float = 7 * 86400.0,
+        estimate_min_machines: int = 3,
+        estimate_prior_s_per_step: float = PRIOR_S_PER_STEP,
     ) -> None:
         self._price_per_gpu_hour = price_per_gpu_hour
         self._estimate_window_s = estimate_window_s
+        self._estimate_min_machines = estimate_min_machines
+        self._estimate_prior_s_per_step = estimate_prior_s_per_step
         self._ledger = ledger
         self._storage = storage
         self._signer = signer
@@ -128,21 +167,59 @@ class JobHandler:
             log.info("job submitted", job_id=job.job_id, owner=owner)
         return jobs
 
-    async def estimate(self, spec: JobSpec, *, api_key_id: str | None) -> Estimate:
-        """max_train_steps x the fleet's median s/step on jobs of the same shape, priced."""
-        pace = await self._ledger.pace_for_shape(
+    async def pace(
+        self,
+        *,
+        resolution: int,
+        batch_size: int,
+        gradient_accumulation_steps: int,
+        train_text_encoder: bool,
+    ) -> Pace:
+        """The fleet's pace on a job shape from verified completions only (the ledger's clock
+        from grant to a result the store verified, one figure per provider-verified machine,
+        their median): what a worker says of its own speed never prices anyone's job. Below
+        `estimate_min_machines` machines, the prior."""
+        measured = await self._ledger.pace_for_shape(
             window_s=self._estimate_window_s,
+            resolution=resolution,
+            batch_size=batch_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            train_text_encoder=train_text_encoder,
+        )
+        if measured.machines >= self._estimate_min_machines and measured.seconds_per_step > 0:
+            return Pace(
+                seconds_per_step=measured.seconds_per_step,
+                machines=measured.machines,
+                measured=True,
+            )
+        prior = prior_seconds_per_step(
+            self._estimate_prior_s_per_step,
+            resolution=resolution,
+            batch_size=batch_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            train_text_encoder=train_text_encoder,
+        )
+        return Pace(seconds_per_step=prior, machines=measured.machines, measured=False)
+
+    async def _spec_pace(self, spec: JobSpec) -> Pace:
+        return await self.pace(
             resolution=spec.resolution,
             batch_size=spec.train_batch_size,
             gradient_accumulation_steps=spec.gradient_accumulation_steps,
             train_text_encoder=spec.train_text_encoder,
         )
-        seconds = spec.max_train_steps * pace.seconds_per_step
+
+    async def estimate(self, spec: JobSpec, *, api_key_id: str | None) -> Estimate:
+        """max_train_steps x the fleet's measured pace on jobs of the same shape, priced; no
+        estimate (0) while too few machines have measured it."""
+        pace = await self._spec_pace(spec)
+        seconds_per_step = pace.seconds_per_step if pace.measured else 0.0
+        seconds = spec.max_train_steps * seconds_per_step
         price = self._price_per_gpu_hour
         spending = await self._ledger.key_spending(api_key_id) if api_key_id else None
         return Estimate(
-            seconds_per_step=pace.seconds_per_step,
-            samples=pace.samples,
+            seconds_per_step=seconds_per_step,
+            samples=pace.machines if pace.measured else 0,
             seconds=seconds,
             price_per_gpu_hour=price,
             dollars=seconds * price / 3600,
@@ -152,7 +229,8 @@ class JobHandler:
 
     async def _check_spend_limit(self, api_key_id: str, specs: Sequence[JobSpec]) -> None:
         """Billed so far, plus the estimated rest of the key's unfinished jobs, plus this submit
-        must stay within the key's limit (so many quick submits cannot outrun the billing)."""
+        must stay within the key's limit (so many quick submits cannot outrun the billing).
+        Unmeasured shapes are priced at the prior, never at nothing."""
         spending = await self._ledger.key_spending(api_key_id)
         limit = spending.spend_limit_dollars
         if limit is None:
@@ -160,25 +238,35 @@ class JobHandler:
         price = self._price_per_gpu_hour
         spent = spending.gpu_seconds * price / 3600
         pending_s = 0.0
+        priced_by_prior = False
         for work in await self._ledger.key_unfinished_work(api_key_id):
-            pace = await self._ledger.pace_for_shape(
-                window_s=self._estimate_window_s,
+            pace = await self.pace(
                 resolution=work.resolution,
                 batch_size=work.batch_size,
                 gradient_accumulation_steps=work.gradient_accumulation_steps,
                 train_text_encoder=work.train_text_encoder,
             )
             pending_s += work.steps * pace.seconds_per_step
+            priced_by_prior |= not pace.measured
         pending = pending_s * price / 3600
-        expected = 0.0
+        expected_s = 0.0
         for spec in specs:
-            expected += (await self.estimate(spec, api_key_id=None)).dollars
+            pace = await self._spec_pace(spec)
+            expected_s += spec.max_train_steps * pace.seconds_per_step
+            priced_by_prior |= not pace.measured
+        expected = expected_s * price / 3600
         if spent + pending + expected > limit + 1e-9:  # a cent-exact fit is within
+            prior = (
+                f" (a job shape this fleet has not measured yet is priced at the prior,"
+                f" {self._estimate_prior_s_per_step:g} s per 1024x1024 image step)"
+                if priced_by_prior
+                else ""
+            )
             raise FailedPrecondition(
                 f"spend limit: this API key's limit is ${limit:.2f}; its jobs have used"
                 f" ${spent:.2f}, its unfinished jobs are estimated at ${pending:.2f} more, and"
-                f" this submit at ${expected:.2f} (wait for jobs to finish, cancel some, or"
-                " ask for a key with a higher limit)"
+                f" this submit at ${expected:.2f}{prior} (wait for jobs to finish, cancel some,"
+                " or ask for a key with a higher limit)"
             )
 
     async def _check_data(

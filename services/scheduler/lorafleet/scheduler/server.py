@@ -233,6 +233,8 @@ class Scheduler(AsyncLifecycle):
             webhook_policy=webhook_policy,
             price_per_gpu_hour=cfg.price_per_gpu_hour,
             estimate_window_s=cfg.estimate_window_s,
+            estimate_min_machines=cfg.estimate_min_machines,
+            estimate_prior_s_per_step=cfg.estimate_prior_s_per_step,
         )
         server = grpc.aio.server(
             # A span per JobService call, continuing the caller's trace (the CLI's). Not for

@@ -29,19 +29,40 @@ GROUP BY 1, 2, 3, 4
 LIMIT 1000;
 
 -- name: pace_for_shape
--- The median seconds per step of leases granted in the last $1 s on jobs of one shape
--- ($2 resolution, $3 batch size, $4 gradient accumulation, $5 text-encoder training), and how
--- many leases that is: what an estimate before submitting rests on.
-SELECT count(*) AS samples,
-       coalesce(percentile_cont(0.5) WITHIN GROUP (ORDER BY l.seconds_per_step), 0)::float8
+-- The fleet's pace on jobs of one shape ($2 resolution, $3 batch size, $4 gradient accumulation,
+-- $5 text-encoder training), from verified completions only: leases that ended in the last $1 s
+-- with a result the store verified, each as the ledger's own clock from grant to end over the
+-- steps the lease had to run (max_train_steps less the checkpoint it resumed from: nothing a
+-- worker said). Only machines a provider vouched for count, each once (the median of its
+-- leases), so that one machine moves the figure no more than any other; then the median over
+-- machines, and how many machines it rests on.
+WITH done AS (
+    SELECT l.machine_id,
+           extract(epoch FROM l.ended_at - l.granted_at)::float8
+               / nullif(j.max_train_steps - coalesce(g.step, 0), 0) AS seconds_per_step
+    FROM leases l
+    JOIN jobs j ON j.job_id = l.job_id
+    JOIN machines m ON m.machine_id = l.machine_id AND m.identity_provider <> ''
+    LEFT JOIN LATERAL (
+        SELECT e.step FROM job_events e
+        WHERE e.job_id = l.job_id AND e.lease_id = l.lease_id AND e.kind = 'LEASE_GRANTED'
+        LIMIT 1
+    ) g ON true
+    WHERE l.end_reason = 'succeeded' AND l.ended_at > now() - make_interval(secs => $1)
+      AND (j.spec ->> 'resolution')::int = $2
+      AND (j.spec ->> 'train_batch_size')::int = $3
+      AND coalesce((j.spec ->> 'gradient_accumulation_steps')::int, 1) = $4
+      AND (j.spec ->> 'train_text_encoder')::boolean = $5
+), per_machine AS (
+    SELECT machine_id,
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds_per_step) AS seconds_per_step
+    FROM done WHERE seconds_per_step > 0
+    GROUP BY machine_id
+)
+SELECT count(*) AS machines,
+       coalesce(percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds_per_step), 0)::float8
            AS seconds_per_step
-FROM leases l JOIN jobs j ON j.job_id = l.job_id
-WHERE l.seconds_per_step IS NOT NULL AND l.seconds_per_step > 0
-  AND l.granted_at > now() - make_interval(secs => $1)
-  AND (j.spec ->> 'resolution')::int = $2
-  AND (j.spec ->> 'train_batch_size')::int = $3
-  AND coalesce((j.spec ->> 'gradient_accumulation_steps')::int, 1) = $4
-  AND (j.spec ->> 'train_text_encoder')::boolean = $5;
+FROM per_machine;
 
 -- name: get_api_key
 SELECT key_id, owner, secret_sha256 FROM api_keys WHERE key_id = $1 AND revoked_at IS NULL;
@@ -642,22 +663,56 @@ WHERE $1::text[] IS NULL OR m.machine_id = ANY($1::text[])
 ORDER BY m.last_seen_at DESC, m.machine_id
 LIMIT $3;
 
--- name: step_samples
--- Each machine's pace on each job it ran in the last $1 s (its latest lease there), with the
--- job's shape: what the scaler compares to find a slow node. At most $2 rows.
-SELECT DISTINCT ON (l.machine_id, l.job_id)
-       l.machine_id, l.job_id, l.seconds_per_step::float8 AS seconds_per_step,
-       greatest(coalesce(l.last_step - l.first_step, 0), 0) AS steps,
+-- name: pace_observations
+-- What the scheduler itself saw of each lease granted in the last $1 s (newest first, at most
+-- $2): the steps between the first and the last checkpoint the store verified under it, and
+-- the ledger's clock between their commits (NULL with fewer than two); for a lease that ended
+-- with a verified result, the steps it had to run (max_train_steps less the checkpoint it
+-- resumed from) and the ledger's clock from grant to end; beside them what the holder said of
+-- its own pace (believed only against itself), whether the lease is live, the job's shape, the
+-- machine's GPU and who vouched for its id ('': nobody).
+WITH recent AS (
+    SELECT lease_id, job_id, epoch, machine_id, granted_at, ended_at, end_reason,
+           seconds_per_step, first_step, last_step
+    FROM leases
+    WHERE granted_at > now() - make_interval(secs => $1)
+    ORDER BY granted_at DESC
+    LIMIT $2
+), verified AS (
+    -- First and last by commit time, so that steps announced out of order count for nothing.
+    SELECT r.lease_id,
+           (array_agg(c.step ORDER BY c.committed_at DESC, c.step DESC))[1]
+               - (array_agg(c.step ORDER BY c.committed_at, c.step))[1] AS steps,
+           extract(epoch FROM max(c.committed_at) - min(c.committed_at))::float8 AS seconds
+    FROM recent r JOIN checkpoints c ON c.job_id = r.job_id AND c.epoch = r.epoch
+    GROUP BY r.lease_id
+    HAVING count(*) >= 2
+)
+SELECT r.machine_id, r.job_id, r.epoch, r.ended_at IS NULL AS live,
+       CASE WHEN v.steps > 0 AND v.seconds > 0 THEN v.steps END AS observed_steps,
+       CASE WHEN v.steps > 0 AND v.seconds > 0 THEN v.seconds END AS observed_seconds,
+       CASE WHEN r.end_reason = 'succeeded' AND r.ended_at > r.granted_at
+                 AND j.max_train_steps > coalesce(g.step, 0)
+            THEN j.max_train_steps - coalesce(g.step, 0) END AS completed_steps,
+       CASE WHEN r.end_reason = 'succeeded' AND r.ended_at > r.granted_at
+                 AND j.max_train_steps > coalesce(g.step, 0)
+            THEN extract(epoch FROM r.ended_at - r.granted_at)::float8 END AS completed_seconds,
+       r.seconds_per_step::float8 AS reported_seconds_per_step,
+       greatest(coalesce(r.last_step - r.first_step, 0), 0) AS reported_steps,
        (j.spec ->> 'resolution')::int AS resolution,
        (j.spec ->> 'train_batch_size')::int AS batch_size,
        (j.spec ->> 'train_text_encoder')::boolean AS train_text_encoder,
-       coalesce(m.gpu_model, '') AS gpu_class
-FROM leases l
-JOIN jobs j ON j.job_id = l.job_id
-LEFT JOIN machines m ON m.machine_id = l.machine_id
-WHERE l.seconds_per_step IS NOT NULL AND l.granted_at > now() - make_interval(secs => $1)
-ORDER BY l.machine_id, l.job_id, l.epoch DESC
-LIMIT $2;
+       coalesce(m.gpu_model, '') AS gpu_class,
+       coalesce(m.identity_provider, '') AS identity_provider
+FROM recent r
+JOIN jobs j ON j.job_id = r.job_id
+LEFT JOIN machines m ON m.machine_id = r.machine_id
+LEFT JOIN verified v ON v.lease_id = r.lease_id
+LEFT JOIN LATERAL (
+    SELECT e.step FROM job_events e
+    WHERE e.job_id = r.job_id AND e.lease_id = r.lease_id AND e.kind = 'LEASE_GRANTED'
+    LIMIT 1
+) g ON r.end_reason = 'succeeded';
 
 -- name: scaler_work
 -- Queued and running work (jobs and sample tasks: a job's validation images need a node too),

@@ -109,8 +109,8 @@ CREATE TABLE leases (
     end_reason        text,
     -- sha256 of the secret given with the grant; resuming after a reconnect must present it (0006).
     secret_sha256     bytea,
-    -- The holder's pace (0007): its latest seconds per step, and the first and last step it
-    -- heartbeated; the scaler compares nodes by them.
+    -- The holder's pace as it reports it (0007): its latest seconds per step, and the first and
+    -- last step it heartbeated. A claim: the scaler believes it only against the holder itself.
     seconds_per_step  real,
     first_step        bigint,
     last_step         bigint,
@@ -118,7 +118,9 @@ CREATE TABLE leases (
     UNIQUE (job_id, epoch)
 );
 CREATE INDEX leases_machine_idx ON leases (machine_id, granted_at);
-CREATE INDEX leases_paced_idx ON leases (granted_at) WHERE seconds_per_step IS NOT NULL;
+-- The scaler's observations (every recent lease) and estimates (verified completions) (0014).
+CREATE INDEX leases_granted_idx ON leases (granted_at);
+CREATE INDEX leases_succeeded_idx ON leases (ended_at) WHERE end_reason = 'succeeded';
 CREATE INDEX leases_node_fault_idx ON leases (machine_id, ended_at)
     WHERE end_reason = 'failed: node';
 
