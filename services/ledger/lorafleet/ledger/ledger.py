@@ -768,6 +768,18 @@ class Ledger:
         row = await self._fetchrow("drain_sample_task", _uuid_or_nil(lease_id), epoch)
         return row is not None
 
+    async def abandon_sample_task(self, lease_id: str, epoch: int, machine_id: str) -> bool:
+        """Ends the machine's live task lease, re-queues the task (no failure) and bans the
+        machine from it; False when that lease is no longer live."""
+        row = await self._fetchrow("abandon_sample_task", _uuid_or_nil(lease_id), epoch, machine_id)
+        return row is not None
+
+    async def release_machine_sample_tasks(self, machine_id: str) -> list[str]:
+        """Re-queues every task the machine still holds (its new stream resumes none)."""
+        return [
+            str(r["task_id"]) for r in await self._fetch("release_machine_sample_tasks", machine_id)
+        ]
+
     async def expire_sample_tasks(self) -> list[str]:
         return [str(r["task_id"]) for r in await self._fetch("expire_sample_tasks")]
 

@@ -116,6 +116,15 @@ class WorkerHandler:
             # The same machine reconnected before its old stream was noticed dead.
             self.disconnected(previous)
         await self._ledger.upsert_machine(machine, hello.qualification)
+        # A sample task is never resumed: what this machine held goes back to the queue now,
+        # rather than keeping the task (and, one live lease per machine, the worker) waiting
+        # out its lease.
+        for task_id in await self._ledger.release_machine_sample_tasks(machine.machine_id):
+            log.info(
+                "sample task re-queued: its machine reconnected",
+                task_id=task_id,
+                machine_id=machine.machine_id,
+            )
         session = WorkerSession(
             machine=machine, session_sha256=session_sha256, bounds=self._sessions.bounds
         )
@@ -196,20 +205,26 @@ class WorkerHandler:
         if session.state not in (SessionState.CONNECTED, SessionState.IDLE, SessionState.LEASED):
             return
         if (abandoned := session.lease) is not None:
-            # Ended at once in the ledger, and the machine banned from the job: a stream
-            # holds one live lease at most, and cannot hoard jobs (or their image URLs)
-            # by saying Ready again and again.
+            # Ended at once in the ledger, and the machine banned from the job (or the sample
+            # task): a stream holds one live lease of any kind at most, and cannot hoard jobs
+            # or tasks (or their URLs) by saying Ready again and again.
             session.lease = None
             log.info(
                 "worker abandoned its lease by saying Ready",
                 machine_id=session.machine.machine_id,
                 job_id=abandoned.job_id,
+                task_id=abandoned.task.task_id if abandoned.task is not None else "",
             )
-            await self._ledger.drop_lease(
-                session.machine.machine_id,
-                abandoned.job_id,
-                "the worker abandoned the lease (said Ready while holding it)",
-            )
+            if abandoned.task is not None:
+                await self._ledger.abandon_sample_task(
+                    abandoned.lease_id, abandoned.epoch, session.machine.machine_id
+                )
+            else:
+                await self._ledger.drop_lease(
+                    session.machine.machine_id,
+                    abandoned.job_id,
+                    "the worker abandoned the lease (said Ready while holding it)",
+                )
         session.state = SessionState.IDLE
         self._background.spawn(self._dispatcher.offer(session), "offer")
 

@@ -137,6 +137,9 @@ WITH candidate AS (
       -- without resuming it) gets no second until that one ends or expires.
       AND NOT EXISTS (SELECT 1 FROM jobs r WHERE r.machine_id = $1 AND r.state = 'RUNNING'
                       AND r.lease_expires_at > now())
+      -- Of any kind: a live sample task counts too.
+      AND NOT EXISTS (SELECT 1 FROM sample_tasks r WHERE r.machine_id = $1
+                      AND r.state = 'RUNNING' AND r.lease_expires_at > now())
       -- Quarantine: a machine with $6 node faults in the last $7 s gets nothing until the
       -- window passes (or the scaler replaces it: a new machine id starts clean), so a bad
       -- node costs at most $6 failed attempts, not one per queued job.
@@ -716,6 +719,12 @@ FROM scaler_decisions ORDER BY decision_id DESC LIMIT $1;
 WITH candidate AS (
     SELECT s.task_id FROM sample_tasks s JOIN jobs j USING (job_id)
     WHERE s.state = 'QUEUED' AND j.min_vram_mb <= $2 AND NOT ($1 = ANY (s.banned_machines))
+      -- One live lease of any kind per machine (as claim_job): one stream cannot hoard tasks,
+      -- and a machine back without resuming its training lease gets no task meanwhile.
+      AND NOT EXISTS (SELECT 1 FROM jobs r WHERE r.machine_id = $1 AND r.state = 'RUNNING'
+                      AND r.lease_expires_at > now())
+      AND NOT EXISTS (SELECT 1 FROM sample_tasks r WHERE r.machine_id = $1
+                      AND r.state = 'RUNNING' AND r.lease_expires_at > now())
       AND (SELECT count(*) FROM leases q
            WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
              AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
@@ -810,6 +819,29 @@ UPDATE sample_tasks s
 SET state = 'QUEUED', lease_id = NULL, lease_expires_at = NULL,
     busy_seconds = s.busy_seconds + extract(epoch FROM now() - s.granted_at)
 WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
+RETURNING task_id;
+
+-- name: abandon_sample_task
+-- Machine $3 said Ready while holding task ($1 lease, $2 epoch): the task goes back to the
+-- queue at once, no failure counted, and the machine is banned from it (as drop_lease for a
+-- training lease), so one stream can neither hoard tasks nor collect one's URLs twice.
+UPDATE sample_tasks s
+SET state = 'QUEUED', lease_id = NULL, lease_expires_at = NULL,
+    banned_machines = CASE WHEN $3 = ANY (s.banned_machines) THEN s.banned_machines
+                           ELSE array_append(s.banned_machines, $3::text) END,
+    busy_seconds = s.busy_seconds + extract(epoch FROM now() - s.granted_at)
+WHERE lease_id = $1 AND epoch = $2 AND machine_id = $3 AND state = 'RUNNING'
+  AND lease_expires_at > now()
+RETURNING task_id;
+
+-- name: release_machine_sample_tasks
+-- A new stream of machine $1 holds its id: a sample task is never resumed, so what the
+-- machine still held goes back to the queue at once (no failure, no ban), and neither the task
+-- nor the worker waits out the old lease.
+UPDATE sample_tasks s
+SET state = 'QUEUED', lease_id = NULL, lease_expires_at = NULL,
+    busy_seconds = s.busy_seconds + extract(epoch FROM now() - s.granted_at)
+WHERE s.machine_id = $1 AND s.state = 'RUNNING'
 RETURNING task_id;
 
 -- name: expire_sample_tasks
