@@ -4,9 +4,11 @@ honest worker's lease, bans and session are untouched."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import asyncpg
+import grpc
 import pytest
 
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
@@ -153,3 +155,124 @@ async def test_one_live_lease_of_any_kind_per_machine(fleet: Fleet, database_url
             await settled(sampler, again)
     assert await _bans(database_url, "sampler") == 0
     assert await _bans(database_url, "trainer") == 0
+
+
+async def _stream_outcome(fleet: Fleet, machine_id: str, token: str | None = None) -> str:
+    """Opens one stream as `machine_id` and closes it: "welcome", or the status code's name."""
+    try:
+        async with connect_worker(fleet.channel, token or fleet.token, machine_id):
+            return "welcome"
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name
+    except AssertionError:  # the stream ended before its Welcome
+        return "ended"
+
+
+LOOP_BOUNDS = {
+    "worker_stream_burst_per_peer": 5,
+    "worker_streams_per_peer_per_min": 6.0,
+    "worker_log_lines_per_peer_per_min": 6.0,
+}
+
+
+@pytest.mark.parametrize("scheduler_overrides", [LOOP_BOUNDS])
+async def test_a_reconnect_loop_from_one_host_is_cut_off(
+    fleet: Fleet, database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Streams per peer address: a loop opening stream after stream under made-up machine ids
+    gets a burst's worth, then RESOURCE_EXHAUSTED with nothing written to the ledger, and its
+    log lines are bounded too. A worker already connected keeps its stream and lease."""
+    job = await fleet.alice.submit()
+    async with connect_worker(fleet.channel, fleet.token, "honest") as honest:
+        granted = await honest.ready_for_lease()
+        capsys.readouterr()
+        outcomes = [await _stream_outcome(fleet, f"loop-{i}") for i in range(30)]
+        # The burst (5, one of them the honest worker's), and at most one more refilled.
+        assert 3 <= outcomes.count("welcome") <= 5, outcomes
+        assert outcomes.count("RESOURCE_EXHAUSTED") >= 25, outcomes
+        logged = capsys.readouterr().err
+        lines = [line for line in logged.splitlines() if "peer=" in line]
+        # A burst of twice the per-minute rate (12), one more line at most refilled meanwhile.
+        assert len(lines) <= 13, logged
+        assert "log_lines_suppressed" not in logged  # told with the next line let through
+        # The honest worker's stream and lease are untouched.
+        await honest.heartbeat(granted.lease, 5)
+        await honest.store_checkpoint(granted.lease, 5)
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetchval("SELECT count(*) FROM machines WHERE machine_id LIKE 'loop-%'")
+    finally:
+        await conn.close()
+    assert rows == outcomes.count("welcome")
+    row = await fleet.alice.get(job.job_id)
+    assert row.state == pb.JOB_STATE_RUNNING and row.epoch == 1
+    assert await _bans(database_url, "honest") == 0
+
+
+@pytest.mark.parametrize(
+    "scheduler_overrides", [{"worker_hello_burst": 3, "worker_hellos_per_s": 0.01}]
+)
+async def test_hellos_are_bounded_per_worker_token(fleet: Fleet) -> None:
+    """Hellos per worker token: one token serves the whole fleet, so this bounds the fleet's
+    connection rate (its default burst lets a large fleet reconnect at once after a restart).
+    A stream with a wrong token costs the fleet's bound nothing."""
+    async with connect_worker(fleet.channel, fleet.token, "honest") as honest:
+        assert await _stream_outcome(fleet, "stranger", token="wrong") == "UNAUTHENTICATED"
+        assert [await _stream_outcome(fleet, f"loop-{i}") for i in range(3)] == [
+            "welcome",
+            "welcome",
+            "RESOURCE_EXHAUSTED",
+        ]
+        # The connected worker is still served.
+        await fleet.alice.submit()
+        await honest.ready_for_lease()
+
+
+@pytest.mark.parametrize("scheduler_overrides", [{"machine_retention_s": 30.0}])
+async def test_silent_unverified_machines_that_nothing_names_expire(
+    fleet: Fleet, database_url: str
+) -> None:
+    """A reconnect loop's made-up machine ids cost rows for a bounded time: the sweeper deletes
+    never-verified machines silent past the retention and named by no lease, ban or sample
+    task. A machine with a lease, a ban or a verified identity stays."""
+    job = await fleet.alice.submit()
+    ledger = fleet.scheduler.ledger
+    expire = ledger.expire_machines
+    forgotten: set[str] = set()
+    swept = asyncio.Event()
+
+    async def observed(silent_s: float) -> list[str]:
+        expired = await expire(silent_s)
+        forgotten.update(expired)
+        swept.set()
+        return expired
+
+    async with connect_worker(fleet.channel, fleet.token, "honest") as honest:
+        granted = await honest.ready_for_lease()
+        for name in ("banned", "verified", "loop-1", "loop-2"):
+            async with connect_worker(fleet.channel, fleet.token, name):
+                pass
+        conn = await asyncpg.connect(database_url)
+        try:
+            await conn.execute(
+                "INSERT INTO bans (job_id, machine_id, reason) VALUES ($1, 'banned', 'test')",
+                uuid.UUID(job.job_id),
+            )
+            await conn.execute(
+                "UPDATE machines SET identity_provider = 'local' WHERE machine_id = 'verified'"
+            )
+            await conn.execute("UPDATE machines SET last_seen_at = now() - interval '1 hour'")
+            ledger.expire_machines = observed  # type: ignore[method-assign]
+            # The next expiry pass (every tenth of the retention) runs on the new rows.
+            async with asyncio.timeout(15):
+                while not forgotten:
+                    swept.clear()
+                    await swept.wait()
+            left = {r[0] for r in await conn.fetch("SELECT machine_id FROM machines")}
+        finally:
+            await conn.close()
+        assert forgotten == {"loop-1", "loop-2"}
+        assert left == {"honest", "banned", "verified"}
+        # The honest worker is still served under its id.
+        # The honest worker is still served under its lease.
+        await honest.store_checkpoint(granted.lease, 1)

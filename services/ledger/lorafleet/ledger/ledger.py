@@ -850,6 +850,11 @@ class Ledger:
         async with self._conn() as conn:
             await conn.execute(QUERIES["touch_machine"], machine_id, session_sha256)
 
+    async def expire_machines(self, silent_s: float) -> list[str]:
+        """Deletes never-verified machines silent for `silent_s` that nothing names (see the
+        query); returns their ids."""
+        return [str(r["machine_id"]) for r in await self._fetch("expire_machines", silent_s)]
+
     async def claim_machine_session(
         self,
         machine_id: str,

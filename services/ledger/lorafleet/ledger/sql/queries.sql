@@ -447,6 +447,33 @@ WHERE machine_id = $1 AND session_token_sha256 IS NOT DISTINCT FROM $2;
 UPDATE machines SET session_token_sha256 = NULL
 WHERE machine_id = $1 AND session_token_sha256 = $2;
 
+-- name: expire_machines
+-- The node registry forgets machine ids that no provider vouched for and nothing names: never
+-- verified (a verified row ranks its id above unverified claims, so it stays), silent for $1
+-- seconds (at least a lease TTL: until then the id is its last stream's, see
+-- claim_machine_session), and named by no lease (quarantine, statistics and billing read
+-- those; every job a machine held or progressed has one), no ban and no unfinished sample
+-- task. Deleting such a row loses nothing: a Hello under the id makes a new one. What is left
+-- are a reconnect loop's made-up ids and honest machines that never got work. At most 1000
+-- per call; safe on every replica.
+WITH expired AS (
+    SELECT m.machine_id FROM machines m
+    WHERE m.identity_provider = '' AND m.last_seen_at < now() - make_interval(secs => $1)
+      AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.machine_id = m.machine_id)
+      AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.machine_id = m.machine_id)
+      AND NOT EXISTS (SELECT 1 FROM sample_tasks s
+                      WHERE s.state IN ('QUEUED', 'RUNNING')
+                        AND (s.machine_id = m.machine_id OR m.machine_id = ANY (s.banned_machines)))
+    ORDER BY m.last_seen_at
+    LIMIT 1000
+    FOR UPDATE OF m SKIP LOCKED
+)
+DELETE FROM machines m USING expired e
+WHERE m.machine_id = e.machine_id
+  -- Re-checked under the row lock: a Hello may have claimed the id since the scan.
+  AND m.identity_provider = '' AND m.last_seen_at < now() - make_interval(secs => $1)
+RETURNING m.machine_id;
+
 -- name: claim_machine_session
 -- A stream says Hello as machine $1: it gets the machine id (session token digest $3) if the
 -- machine is new, if it presents the previous stream's token (digest $2), or if the machine
