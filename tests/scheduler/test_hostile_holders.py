@@ -163,7 +163,8 @@ async def _stream_outcome(fleet: Fleet, machine_id: str, token: str | None = Non
         async with connect_worker(fleet.channel, token or fleet.token, machine_id):
             return "welcome"
     except grpc.aio.AioRpcError as exc:
-        return exc.code().name
+        name: str = exc.code().name
+        return name
     except AssertionError:  # the stream ended before its Welcome
         return "ended"
 
