@@ -13,6 +13,7 @@ import pytest
 
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
+from lorafleet.scheduler.sessions import peer_source
 from tests.scheduler.test_sample_tasks import VALIDATION, settled, store_samples
 from tests.support.fleet import Fleet
 from tests.support.workers import connect_worker
@@ -277,3 +278,18 @@ async def test_silent_unverified_machines_that_nothing_names_expire(
         # The honest worker is still served under its id.
         # The honest worker is still served under its lease.
         await honest.store_checkpoint(granted.lease, 1)
+
+
+@pytest.mark.parametrize(
+    ("peer", "source"),
+    [
+        ("ipv4:203.0.113.7:50123", "203.0.113.7"),
+        ("ipv6:[2001:db8:1:2:3:4:5:6]:443", "2001:db8:1:2::/64"),
+        ("ipv6:%5B2001:db8:1:2:ffff::1%5D:443", "2001:db8:1:2::/64"),
+        ("ipv6:[::ffff:203.0.113.7]:80", "203.0.113.7"),
+        ("unix:/run/lorafleet.sock", "unix:/run/lorafleet.sock"),
+    ],
+)
+def test_a_source_is_an_address_without_its_port_or_an_ipv6_64(peer: str, source: str) -> None:
+    """A reconnect loop picks a new port each time, and an IPv6 host any address of its /64."""
+    assert peer_source(peer) == source

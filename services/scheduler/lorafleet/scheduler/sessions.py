@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import structlog
 
@@ -104,15 +105,18 @@ def peer_source(peer: str) -> str:
     """The source a gRPC peer string names, for per-source bounds: its IPv4 address, or its
     IPv6 /64 (one host commonly holds a whole /64 and may pick any address in it); without the
     port, which a reconnect loop changes every time."""
-    kind, _, rest = peer.partition(":")
+    kind, _, rest = unquote(peer).partition(":")  # gRPC may percent-encode the brackets
     if kind == "ipv4":
         return rest.rpartition(":")[0] or rest
     if kind == "ipv6":
         host = rest.rpartition(":")[0].strip("[]") if rest.startswith("[") else rest
         try:
-            return str(ipaddress.IPv6Network(f"{host}/64", strict=False))
+            address = ipaddress.IPv6Address(host.partition("%")[0])
         except ValueError:
             return host
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network(f"{address}/64", strict=False))
     return peer
 
 
