@@ -14,6 +14,7 @@ import pytest
 
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
+from lorafleet.scheduler.config import SchedulerConfig
 from lorafleet.scheduler.sessions import peer_source
 from tests.scheduler.test_sample_tasks import VALIDATION, settled, store_samples
 from tests.support.fleet import Fleet
@@ -294,3 +295,11 @@ async def test_silent_unverified_machines_that_nothing_names_expire(
 def test_a_source_is_an_address_without_its_port_or_an_ipv6_64(peer: str, source: str) -> None:
     """A reconnect loop picks a new port each time, and an IPv6 host any address of its /64."""
     assert peer_source(peer) == source
+
+
+def test_a_machine_row_outlives_the_hold_on_its_id() -> None:
+    """A machine id is its last stream's until a lease TTL of silence: its row may not expire
+    sooner, or a stranger could take the id early."""
+    with pytest.raises(ValueError, match="machine_retention_s"):
+        SchedulerConfig(lease_ttl_s=600.0, machine_retention_s=300.0)
+    assert SchedulerConfig(lease_ttl_s=600.0, machine_retention_s=600.0).machine_retention_s
