@@ -214,6 +214,10 @@ def start_scheduler(
         LORAFLEET_LOG_LEVEL="WARNING",
         LORAFLEET_LEASE_TTL_S="300",
         LORAFLEET_SCHEDULER_ID=f"bench-{replica}",
+        # Thousands of simulated workers from one host, connecting at once: no per-holder
+        # bounds on streams (that is what this measures).
+        LORAFLEET_WORKER_STREAMS_PER_PEER_PER_MIN="0",
+        LORAFLEET_WORKER_HELLOS_PER_S="0",
     )
     (data_dir / "storage-secret").write_text(SECRET.decode() + "\n")
     entry = ["-c", GC_REPORT] if gc_report or default_gc else ["-m", "lorafleet.app.main"]

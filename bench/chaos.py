@@ -587,6 +587,9 @@ async def run(settings: Settings) -> int:
         LORAFLEET_WEBHOOK_BACKOFF_S="0.5",
         LORAFLEET_WEBHOOK_MAX_ATTEMPTS="20",
         LORAFLEET_LOG_LEVEL="WARNING",
+        # Every worker reaches the replicas through one proxy (one peer address) that cuts
+        # streams on purpose: no per-address bound, as for any fleet behind a proxy.
+        LORAFLEET_WORKER_STREAMS_PER_PEER_PER_MIN="0",
     )
     replicas = [
         Replica(

@@ -812,6 +812,18 @@ class Ledger:
         row = await self._fetchrow("drain_sample_task", _uuid_or_nil(lease_id), epoch)
         return row is not None
 
+    async def abandon_sample_task(self, lease_id: str, epoch: int, machine_id: str) -> bool:
+        """Ends the machine's live task lease, re-queues the task (no failure) and bans the
+        machine from it; False when that lease is no longer live."""
+        row = await self._fetchrow("abandon_sample_task", _uuid_or_nil(lease_id), epoch, machine_id)
+        return row is not None
+
+    async def release_machine_sample_tasks(self, machine_id: str) -> list[str]:
+        """Re-queues every task the machine still holds (its new stream resumes none)."""
+        return [
+            str(r["task_id"]) for r in await self._fetch("release_machine_sample_tasks", machine_id)
+        ]
+
     async def expire_sample_tasks(self) -> list[str]:
         return [str(r["task_id"]) for r in await self._fetch("expire_sample_tasks")]
 
@@ -881,6 +893,11 @@ class Ledger:
     async def touch_machine(self, machine_id: str, session_sha256: bytes | None) -> None:
         async with self._conn() as conn:
             await conn.execute(QUERIES["touch_machine"], machine_id, session_sha256)
+
+    async def expire_machines(self, silent_s: float) -> list[str]:
+        """Deletes never-verified machines silent for `silent_s` that nothing names (see the
+        query); returns their ids."""
+        return [str(r["machine_id"]) for r in await self._fetch("expire_machines", silent_s)]
 
     async def claim_machine_session(
         self,

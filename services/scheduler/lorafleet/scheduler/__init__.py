@@ -14,11 +14,13 @@ Both sides follow one path: a servicer (`servicers.py`) decodes each request int
 A map of the worker stream, for the questions a newcomer asks first:
 
 Where a worker connects.
-    `WorkerServicer.Connect` checks the worker token (`auth.check_worker_token`), reads the
-    Hello within `hello_timeout_s`, decodes it (`serde.hello_from_proto`) and calls
-    `WorkerHandler.connect`: the machine id is claimed for this stream
-    (`Ledger.claim_machine_session`), the machine recorded (`upsert_machine`), a held lease
-    resumed if the worker presents its secret (`resume_lease`), and the session registered
+    `WorkerServicer.Connect` bounds streams per peer address (`WorkerHandler.admit_stream`,
+    `sessions.StreamGate`), checks the worker token (`auth.check_worker_token`), reads the
+    Hello within `hello_timeout_s`, decodes it (`serde.hello_from_proto`), bounds Hellos per
+    worker token (`admit_hello`) and calls `WorkerHandler.connect`: the machine id is claimed
+    for this stream (`Ledger.claim_machine_session`), the machine recorded (`upsert_machine`),
+    sample tasks it held given back (`release_machine_sample_tasks`), a held lease resumed if
+    the worker presents its secret (`resume_lease`), and the session registered
     (`WorkerSessions.add`). Then `Connect` runs two loops: it reads each message
     (`WorkerServicer._receive`: rate bound, decode, one handler method) and writes the
     session's outbox. When either ends, `WorkerHandler.disconnected` closes the session.

@@ -72,6 +72,55 @@ class SchedulerConfig(ServiceSettings):
     worker_message_burst: int = Field(
         100, ge=1, le=100_000, description="messages one worker stream may send at once"
     )
+    # Bounds per token holder (sessions.StreamGate): the ones above hold per stream, and a
+    # reconnect loop opens a new stream each time.
+    worker_streams_per_peer_per_min: float = Field(
+        60.0,
+        ge=0,
+        le=1_000_000,
+        description="worker streams one peer address (an IPv6 /64) may open per minute on"
+        " average, past --worker-stream-burst-per-peer; stops a reconnect loop from one host."
+        " Behind a proxy every worker shares the proxy's address: raise it, or 0 for no bound",
+    )
+    worker_stream_burst_per_peer: int = Field(
+        30,
+        ge=1,
+        le=1_000_000,
+        description="worker streams one peer address may open at once (several workers on one"
+        " host, e.g. `lorafleet up` with one per GPU, start together)",
+    )
+    worker_hellos_per_s: float = Field(
+        20.0,
+        ge=0,
+        le=1_000_000,
+        description="Hellos per second accepted per worker token on average, past"
+        " --worker-hello-burst. Every worker of a fleet shares one token, so this bounds the"
+        " whole fleet's connection rate (per replica); an honest fleet reconnects once per"
+        " restart or network blip; 0: no bound",
+    )
+    worker_hello_burst: int = Field(
+        2000,
+        ge=1,
+        le=1_000_000,
+        description="Hellos per worker token at once: keep it above the fleet's size, so every"
+        " worker can reconnect at once after a scheduler restart",
+    )
+    worker_log_lines_per_peer_per_min: float = Field(
+        60.0,
+        ge=0,
+        le=1_000_000,
+        description="log lines about one peer address's streams (connects, refusals, notices)"
+        " per minute, after a burst of twice as many; the rest are counted in the next line;"
+        " 0: no bound",
+    )
+    machine_retention_s: float = Field(
+        3600.0,
+        gt=0,
+        le=365 * 86400.0,
+        description="seconds after which a machine seen last that long ago, never verified by a"
+        " provider and named by no lease, ban or sample task, is deleted from the node registry"
+        " (the rows of a reconnect loop's made-up machine ids); at least --lease-ttl-s",
+    )
     quarantine_fault_threshold: int = Field(
         3,
         ge=1,
@@ -204,6 +253,10 @@ class SchedulerConfig(ServiceSettings):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if (self.ec2_identity_certificate_file is None) != (not self.ec2_account_ids):
             raise ValueError("ec2_identity_certificate_file and ec2_account_ids go together")
+        if self.machine_retention_s < self.lease_ttl_s:
+            # A machine id is held for its stream until a TTL of silence; its row must outlive
+            # that, or a stranger could take the id sooner than the rule allows.
+            raise ValueError("machine_retention_s must be at least lease_ttl_s")
         if self.heartbeat_interval_s * 3 > min(self.lease_put_ttl_s, self.url_ttl_s):
             # Upload URLs are renewed on a heartbeat once a third of their life is left.
             raise ValueError(

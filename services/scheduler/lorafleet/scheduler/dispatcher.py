@@ -25,8 +25,14 @@ leases of their own kind on the same stream:
   session busy with a sample task could claim takes the task back (re-queued, no failure) with
   `LeaseRevoked` (`_preempt_samples`); the worker stops within one denoising step and says
   Ready.
+* Under the training lease's rules: the grant carries the worker's view of the spec only
+  (`JobSpec.for_worker`: no webhook, no labels); a machine holds one live lease of any kind
+  (`claim_job` and `claim_sample_task` skip a machine holding either); Ready while holding a
+  task gives it back and bans the machine from it (`WorkerHandler.ready`), so one stream
+  cannot hoard tasks or collect their weights URLs.
 * Expiry is the sweeper's (`expire_sample_tasks`); a reconnecting worker does not resume a
-  sample task (it is re-run when its lease lapses: a task is short and has no progress).
+  sample task: its new stream gives back what the machine held at once
+  (`release_machine_sample_tasks`), so the task is re-run and the worker offered work again.
 """
 
 from __future__ import annotations
@@ -342,7 +348,8 @@ class Dispatcher:
                         ),
                         task_id=task.task_id,
                         step=task.step,
-                        spec=spec_to_proto(task.spec),
+                        # The worker's view only: never the owner's webhook or labels.
+                        spec=spec_to_proto(task.spec.for_worker()),
                         settings=sample_settings_to_proto(task.settings),
                         weights=weights,
                         weights_sha256=task.weights_sha256,

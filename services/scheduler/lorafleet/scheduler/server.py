@@ -39,7 +39,7 @@ from lorafleet.scheduler.job_handler import JobHandler
 from lorafleet.scheduler.metrics import LEDGER_UP, JobStateCollector
 from lorafleet.scheduler.notifications import Notifications
 from lorafleet.scheduler.servicers import JobServicer, WorkerServicer
-from lorafleet.scheduler.sessions import StreamBounds, WorkerSessions
+from lorafleet.scheduler.sessions import GateBounds, StreamBounds, StreamGate, WorkerSessions
 from lorafleet.scheduler.signing import UrlSigner
 from lorafleet.scheduler.storage import (
     LocalObjectStore,
@@ -171,6 +171,7 @@ class Scheduler(AsyncLifecycle):
             checkpoint_retention=cfg.checkpoint_retention,
             replica_id=self.scheduler_id,
             upload_url_ttl_s=cfg.lease_put_ttl_s,
+            machine_retention_s=cfg.machine_retention_s,
         )
         # Before anything can expire a lease: if every replica was down, the workers get a TTL
         # from now to reconnect in (the outage was not theirs).
@@ -190,7 +191,17 @@ class Scheduler(AsyncLifecycle):
                 outbox_limit=cfg.worker_outbox_limit,
                 messages_per_s=cfg.worker_messages_per_s,
                 message_burst=cfg.worker_message_burst,
-            )
+            ),
+            gate=StreamGate(
+                GateBounds(
+                    streams_per_peer_per_min=cfg.worker_streams_per_peer_per_min,
+                    stream_burst_per_peer=cfg.worker_stream_burst_per_peer,
+                    hellos_per_token_per_s=cfg.worker_hellos_per_s,
+                    hello_burst_per_token=cfg.worker_hello_burst,
+                    log_lines_per_peer_per_min=cfg.worker_log_lines_per_peer_per_min,
+                    log_burst_per_peer=max(1, round(2 * cfg.worker_log_lines_per_peer_per_min)),
+                )
+            ),
         )
         background = BackgroundTasks()
         self._dispatcher = Dispatcher(

@@ -47,9 +47,9 @@ from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 from lorafleet.ledger.ledger import LedgerError
-from lorafleet.scheduler.auth import ApiKeyAuthenticator, Principal, check_worker_token
+from lorafleet.scheduler.auth import ApiKeyAuthenticator, Principal, bearer, check_worker_token
 from lorafleet.scheduler.job_handler import JobHandler, Submission
-from lorafleet.scheduler.sessions import WorkerSession
+from lorafleet.scheduler.sessions import WorkerSession, peer_source
 from lorafleet.scheduler.worker_handler import WorkerHandler
 
 log = structlog.get_logger(__name__)
@@ -392,15 +392,26 @@ class WorkerServicer(fgrpc.WorkerServiceServicer):
         request_iterator: AsyncIterator[fpb.ConnectRequest],
         context: grpc.aio.ServicerContext[object, object],
     ) -> None:
+        # Bounds per token holder, not only per stream: a reconnect loop opens a new stream
+        # each time (streams per source address, Hellos per worker token, log lines per source).
+        source = peer_source(context.peer())
         try:
-            check_worker_token(context.invocation_metadata() or (), self._worker_token)
+            self._handler.admit_stream(source)
+            metadata = context.invocation_metadata() or ()
+            check_worker_token(metadata, self._worker_token)
             async with asyncio.timeout(self._hello_timeout_s):
                 first = await anext(request_iterator)
             if first.WhichOneof("message") != "hello":
                 raise InvalidArgument("hello", "the first message on the stream must be Hello")
-            session = await self._handler.connect(hello_from_proto(first.hello))
+            hello = hello_from_proto(first.hello)
+            self._handler.admit_hello(bearer(metadata))
+            session = await self._handler.connect(hello, source=source)
         except (TimeoutError, StopAsyncIteration):
+            self._handler.refused(source, "hello: not received in time")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "hello: not received in time")
+        except LorafleetError as exc:
+            self._handler.refused(source, str(exc)[:200])
+            await abort_for(context, exc)
         except Exception as exc:
             await abort_for(context, exc)
 

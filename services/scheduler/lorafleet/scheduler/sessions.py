@@ -1,5 +1,6 @@
-"""The sessions of the workers connected to this replica: the registry, and what one stream may
-cost (bounds, rates, its send queue).
+"""The sessions of the workers connected to this replica: the registry, what one stream may
+cost (bounds, rates, its send queue), and what one token holder may cost across its streams
+(`StreamGate`: streams per peer address, Hellos per worker token, log lines per source).
 
 A session remembers; it decides nothing and never touches the ledger. The worker handler
 (`worker_handler.py`) acts on what a worker says, the dispatcher (`dispatcher.py`) on what the
@@ -10,11 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import ipaddress
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
 
 import structlog
 
+from lorafleet.core.errors import ResourceExhausted
 from lorafleet.core.model import LeaseRef, Machine, SampleTask
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.scheduler import metrics
@@ -73,6 +79,141 @@ class TokenBucket:
         return True
 
 
+class KeyedBuckets:
+    """One `TokenBucket` per key (a peer address, a worker token), at most `max_keys` of them
+    remembered: the least recently used is forgotten first, so memory stays bounded whatever
+    the keys; a forgotten key comes back with a full bucket, which gains only a holder of more
+    than `max_keys` addresses that each stay quiet meanwhile."""
+
+    def __init__(self, *, rate_per_s: float, burst: float, max_keys: int = 10_000) -> None:
+        self._rate_per_s = rate_per_s
+        self._burst = burst
+        self._max_keys = max_keys
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+
+    def take(self, key: str) -> bool:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = TokenBucket(rate_per_s=self._rate_per_s, burst=self._burst)
+            self._buckets[key] = bucket
+            if len(self._buckets) > self._max_keys:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(key)
+        return bucket.take()
+
+
+def peer_source(peer: str) -> str:
+    """The source a gRPC peer string names, for per-source bounds: its IPv4 address, or its
+    IPv6 /64 (one host commonly holds a whole /64 and may pick any address in it); without the
+    port, which a reconnect loop changes every time."""
+    kind, _, rest = unquote(peer).partition(":")  # gRPC may percent-encode the brackets
+    if kind == "ipv4":
+        return rest.rpartition(":")[0] or rest
+    if kind == "ipv6":
+        host = rest.rpartition(":")[0].strip("[]") if rest.startswith("[") else rest
+        try:
+            address = ipaddress.IPv6Address(host.partition("%")[0])
+        except ValueError:
+            return host
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network(f"{address}/64", strict=False))
+    return peer
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateBounds:
+    """What one token holder may cost this replica across all its streams (DESIGN.md, "Trust"):
+    the stream bounds below hold per stream, and a reconnect loop opens a new stream each time.
+    0 for a rate: no bound."""
+
+    # Streams one source (peer address) may open: on average, and at once.
+    streams_per_peer_per_min: float = 60.0
+    stream_burst_per_peer: int = 30
+    # Hellos accepted per worker token. One token serves a whole fleet, so this is a fleet-wide
+    # bound: the burst lets every worker of a large fleet reconnect at once after a restart.
+    hellos_per_token_per_s: float = 20.0
+    hello_burst_per_token: int = 2000
+    # Log lines about one source's streams (connects, disconnects, refusals, notices).
+    log_lines_per_peer_per_min: float = 60.0
+    log_burst_per_peer: int = 120
+
+
+class SourceLog:
+    """The log of one source's streams, rate-limited per source (`StreamGate.log`): a line
+    past the bound is dropped and counted, the count going out with the next line let through."""
+
+    def __init__(self, gate: StreamGate, source: str) -> None:
+        self._gate = gate
+        self.source = source
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._emit(log.info, event, fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._emit(log.warning, event, fields)
+
+    def _emit(self, method: Any, event: str, fields: dict[str, Any]) -> None:
+        suppressed = self._gate.take_log_line(self.source)
+        if suppressed is None:
+            return
+        if suppressed:
+            fields["log_lines_suppressed"] = suppressed
+        method(event, peer=self.source, **fields)
+
+
+class StreamGate:
+    """Per-holder bounds on this replica's worker streams: streams per source address, Hellos
+    per worker token, log lines per source. In memory, per replica: two replicas admit twice
+    as much, which the bounds' purpose (no loop from one holder costs a replica more than a
+    set rate) allows."""
+
+    def __init__(self, bounds: GateBounds | None = None) -> None:
+        self.bounds = b = bounds or GateBounds()
+        self._streams = KeyedBuckets(
+            rate_per_s=b.streams_per_peer_per_min / 60.0, burst=b.stream_burst_per_peer
+        )
+        self._hellos = KeyedBuckets(
+            rate_per_s=b.hellos_per_token_per_s, burst=b.hello_burst_per_token, max_keys=100
+        )
+        self._lines = KeyedBuckets(
+            rate_per_s=b.log_lines_per_peer_per_min / 60.0, burst=b.log_burst_per_peer
+        )
+        self._suppressed: OrderedDict[str, int] = OrderedDict()
+
+    def admit_stream(self, source: str) -> None:
+        """A stream opened from `source`; raises ResourceExhausted past its rate."""
+        if self.bounds.streams_per_peer_per_min and not self._streams.take(source):
+            raise ResourceExhausted(
+                f"connect: more than {self.bounds.stream_burst_per_peer} streams at once or"
+                f" {self.bounds.streams_per_peer_per_min:g} per minute from {source}"
+            )
+
+    def admit_hello(self, token_key: str) -> None:
+        """A Hello under the worker token `token_key` (a digest, never the token); raises
+        ResourceExhausted past the token's rate."""
+        if self.bounds.hellos_per_token_per_s and not self._hellos.take(token_key):
+            raise ResourceExhausted(
+                f"hello: more than {self.bounds.hellos_per_token_per_s:g} Hellos per second"
+                " under this worker token"
+            )
+
+    def log(self, source: str) -> SourceLog:
+        return SourceLog(self, source)
+
+    def take_log_line(self, source: str) -> int | None:
+        """None: drop this line; else how many were dropped since the last one let through."""
+        if not self.bounds.log_lines_per_peer_per_min:
+            return 0
+        if not self._lines.take(source):
+            self._suppressed[source] = self._suppressed.pop(source, 0) + 1
+            if len(self._suppressed) > 10_000:
+                self._suppressed.popitem(last=False)
+            return None
+        return self._suppressed.pop(source, 0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class StreamBounds:
     """What one worker stream may cost this replica (DESIGN.md, "Trust": bounded buffers and
@@ -93,6 +234,8 @@ class WorkerSession:
     # sha256 of this stream's session token (Welcome.session_token).
     session_sha256: bytes
     bounds: StreamBounds
+    # This stream's lines in the log, rate-limited per source address across its streams.
+    log: SourceLog
     state: SessionState = SessionState.CONNECTED
     lease: ActiveLease | None = None
     # Unbounded as a queue so the closing sentinel always fits; `send` enforces the limit.
@@ -137,8 +280,11 @@ class WorkerSession:
 class WorkerSessions:
     """The sessions of the workers connected to this replica, one per machine id."""
 
-    def __init__(self, *, bounds: StreamBounds | None = None) -> None:
+    def __init__(
+        self, *, bounds: StreamBounds | None = None, gate: StreamGate | None = None
+    ) -> None:
         self.bounds = bounds or StreamBounds()
+        self.gate = gate or StreamGate()
         self._sessions: dict[str, WorkerSession] = {}
 
     @property
@@ -167,7 +313,7 @@ class WorkerSessions:
         if self._sessions.get(session.machine.machine_id) is session:
             del self._sessions[session.machine.machine_id]
             metrics.OPEN_STREAMS.dec()
-        log.info("worker disconnected", machine_id=session.machine.machine_id)
+        session.log.info("worker disconnected", machine_id=session.machine.machine_id)
 
     def idle(self) -> list[WorkerSession]:
         """Sessions waiting for work with no claim in flight."""

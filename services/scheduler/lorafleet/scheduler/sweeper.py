@@ -9,6 +9,7 @@ store is logged and tried again next interval; any other error ends `run()` and 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Collection
 
 import structlog
@@ -30,6 +31,7 @@ class Sweeper:
         checkpoint_retention: int,
         replica_id: str,
         upload_url_ttl_s: float,
+        machine_retention_s: float = 3600.0,
     ) -> None:
         self._ledger = ledger
         self._storage = storage
@@ -37,6 +39,12 @@ class Sweeper:
         self._replica_id = replica_id
         # A finished job is swept again once its leases' last upload URL has expired.
         self._upload_url_ttl_s = upload_url_ttl_s
+        # Never-verified machines that nothing names are forgotten after this much silence,
+        # checked every tenth of it (at most a minute): a reconnect loop's made-up machine ids
+        # cost rows for a bounded time.
+        self._machine_retention_s = machine_retention_s
+        self._machines_every_s = min(60.0, machine_retention_s / 10)
+        self._machines_next = 0.0
 
     async def sweep_once(self) -> None:
         # This replica is alive: a replica starting later knows the fleet was not all down.
@@ -53,10 +61,23 @@ class Sweeper:
             )
         for task_id in await self._ledger.expire_sample_tasks():
             log.warning("sample task lease expired; task re-queued", task_id=task_id)
+        if time.monotonic() >= self._machines_next:
+            await self.expire_machines()
         for job_id in await self._ledger.finished_jobs_with_checkpoints(100):
             await self.prune_checkpoints(job_id)
         for job_id, result_keys in await self._ledger.jobs_to_sweep(100, self._upload_url_ttl_s):
             await self.sweep_job_storage(job_id, result_keys)
+
+    async def expire_machines(self) -> None:
+        self._machines_next = time.monotonic() + self._machines_every_s
+        expired = await self._ledger.expire_machines(self._machine_retention_s)
+        if expired:
+            log.info(
+                "silent unverified machines forgotten",
+                count=len(expired),
+                first=expired[0],
+                retention_s=self._machine_retention_s,
+            )
 
     async def sweep_job_storage(self, job_id: str, result_keys: Collection[str]) -> None:
         """Deletes what a finished job no longer needs: checkpoints and results the ledger

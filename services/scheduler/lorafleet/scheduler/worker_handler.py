@@ -87,9 +87,24 @@ class WorkerHandler:
 
     # The stream opens and ends ----------------------------------------------------------------
 
-    async def connect(self, hello: WorkerHello) -> WorkerSession:
-        """A worker said Hello: its session, with its lease if it resumes one."""
+    def admit_stream(self, source: str) -> None:
+        """A stream opened from `source` (`sessions.peer_source`): refused with
+        ResourceExhausted past the source's rate, before anything else is done for it."""
+        self._sessions.gate.admit_stream(source)
+
+    def admit_hello(self, worker_token: str) -> None:
+        """A Hello under a valid worker token: refused past the token's rate, before its
+        identity is verified or the ledger touched. One token serves a whole fleet."""
+        self._sessions.gate.admit_hello(digest(worker_token).hex())
+
+    def refused(self, source: str, reason: str) -> None:
+        """A stream from `source` was refused before its session began (logged per source)."""
+        self._sessions.gate.log(source).info("worker stream refused", reason=reason)
+
+    async def connect(self, hello: WorkerHello, *, source: str = "") -> WorkerSession:
+        """A worker said Hello from `source`: its session, with its lease if it resumes one."""
         machine = hello.machine
+        source_log = self._sessions.gate.log(source)
         # The provider's word for the machine id, where the Hello carries it (identity.py). A
         # proof that does not verify is refused even where none is required: it is a
         # misconfigured worker or a forgery, never something to carry on without.
@@ -118,12 +133,24 @@ class WorkerHandler:
             # The same machine reconnected before its old stream was noticed dead.
             self.disconnected(previous)
         await self._ledger.upsert_machine(machine, hello.qualification)
+        # A sample task is never resumed: what this machine held goes back to the queue now,
+        # rather than keeping the task (and, one live lease per machine, the worker) waiting
+        # out its lease.
+        for task_id in await self._ledger.release_machine_sample_tasks(machine.machine_id):
+            source_log.info(
+                "sample task re-queued: its machine reconnected",
+                task_id=task_id,
+                machine_id=machine.machine_id,
+            )
         session = WorkerSession(
-            machine=machine, session_sha256=session_sha256, bounds=self._sessions.bounds
+            machine=machine,
+            session_sha256=session_sha256,
+            bounds=self._sessions.bounds,
+            log=source_log,
         )
         if not machine.qualified:
             session.state = SessionState.UNQUALIFIED
-            log.warning(
+            session.log.warning(
                 "worker failed qualification; it gets no work",
                 machine_id=machine.machine_id,
                 detail=hello.qualification.detail,
@@ -161,7 +188,7 @@ class WorkerHandler:
         session.send(fpb.ConnectResponse(welcome=welcome))
         if session.lease is not None:
             await self._renew_urls(session)
-        log.info(
+        session.log.info(
             "worker connected",
             machine_id=machine.machine_id,
             vram_mb=machine.vram_mb,
@@ -198,20 +225,26 @@ class WorkerHandler:
         if session.state not in (SessionState.CONNECTED, SessionState.IDLE, SessionState.LEASED):
             return
         if (abandoned := session.lease) is not None:
-            # Ended at once in the ledger, and the machine banned from the job: a stream
-            # holds one live lease at most, and cannot hoard jobs (or their image URLs)
-            # by saying Ready again and again.
+            # Ended at once in the ledger, and the machine banned from the job (or the sample
+            # task): a stream holds one live lease of any kind at most, and cannot hoard jobs
+            # or tasks (or their URLs) by saying Ready again and again.
             session.lease = None
             log.info(
                 "worker abandoned its lease by saying Ready",
                 machine_id=session.machine.machine_id,
                 job_id=abandoned.job_id,
+                task_id=abandoned.task.task_id if abandoned.task is not None else "",
             )
-            await self._ledger.drop_lease(
-                session.machine.machine_id,
-                abandoned.job_id,
-                "the worker abandoned the lease (said Ready while holding it)",
-            )
+            if abandoned.task is not None:
+                await self._ledger.abandon_sample_task(
+                    abandoned.lease_id, abandoned.epoch, session.machine.machine_id
+                )
+            else:
+                await self._ledger.drop_lease(
+                    session.machine.machine_id,
+                    abandoned.job_id,
+                    "the worker abandoned the lease (said Ready while holding it)",
+                )
         session.state = SessionState.IDLE
         self._background.spawn(self._dispatcher.offer(session), "offer")
 
@@ -221,7 +254,7 @@ class WorkerHandler:
         if not session.notices.take():
             session.notices_suppressed += 1
             return
-        log.warning(
+        session.log.warning(
             "worker notice",
             machine_id=session.machine.machine_id,
             lease_id=notice.lease.lease_id if notice.lease is not None else "",
@@ -488,7 +521,7 @@ class WorkerHandler:
 
     def _reject(self, session: WorkerSession, ref: LeaseRef, reason: str) -> None:
         metrics.STALE_REJECTIONS.inc()
-        log.info(
+        session.log.info(
             "stale worker message refused",
             machine_id=session.machine.machine_id,
             lease_id=ref.lease_id,

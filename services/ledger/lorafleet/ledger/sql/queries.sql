@@ -158,6 +158,9 @@ WITH candidate AS (
       -- without resuming it) gets no second until that one ends or expires.
       AND NOT EXISTS (SELECT 1 FROM jobs r WHERE r.machine_id = $1 AND r.state = 'RUNNING'
                       AND r.lease_expires_at > now())
+      -- Of any kind: a live sample task counts too.
+      AND NOT EXISTS (SELECT 1 FROM sample_tasks r WHERE r.machine_id = $1
+                      AND r.state = 'RUNNING' AND r.lease_expires_at > now())
       -- Quarantine: a machine with $6 node faults in the last $7 s gets nothing until the
       -- window passes (or the scaler replaces it: a new machine id starts clean), so a bad
       -- node costs at most $6 failed attempts, not one per queued job.
@@ -488,6 +491,33 @@ WHERE machine_id = $1 AND session_token_sha256 IS NOT DISTINCT FROM $2;
 UPDATE machines SET session_token_sha256 = NULL
 WHERE machine_id = $1 AND session_token_sha256 = $2;
 
+-- name: expire_machines
+-- The node registry forgets machine ids that no provider vouched for and nothing names: never
+-- verified (a verified row ranks its id above unverified claims, so it stays), silent for $1
+-- seconds (at least a lease TTL: until then the id is its last stream's, see
+-- claim_machine_session), and named by no lease (quarantine, statistics and billing read
+-- those; every job a machine held or progressed has one), no ban and no unfinished sample
+-- task. Deleting such a row loses nothing: a Hello under the id makes a new one. What is left
+-- are a reconnect loop's made-up ids and honest machines that never got work. At most 1000
+-- per call; safe on every replica.
+WITH expired AS (
+    SELECT m.machine_id FROM machines m
+    WHERE m.identity_provider = '' AND m.last_seen_at < now() - make_interval(secs => $1)
+      AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.machine_id = m.machine_id)
+      AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.machine_id = m.machine_id)
+      AND NOT EXISTS (SELECT 1 FROM sample_tasks s
+                      WHERE s.state IN ('QUEUED', 'RUNNING')
+                        AND (s.machine_id = m.machine_id OR m.machine_id = ANY (s.banned_machines)))
+    ORDER BY m.last_seen_at
+    LIMIT 1000
+    FOR UPDATE OF m SKIP LOCKED
+)
+DELETE FROM machines m USING expired e
+WHERE m.machine_id = e.machine_id
+  -- Re-checked under the row lock: a Hello may have claimed the id since the scan.
+  AND m.identity_provider = '' AND m.last_seen_at < now() - make_interval(secs => $1)
+RETURNING m.machine_id;
+
 -- name: claim_machine_session
 -- A stream says Hello as machine $1: it gets the machine id (session token digest $3) if the
 -- machine is new, if it presents the previous stream's token (digest $2), or if the machine
@@ -794,6 +824,12 @@ FROM scaler_decisions ORDER BY decision_id DESC LIMIT $1;
 WITH candidate AS (
     SELECT s.task_id FROM sample_tasks s JOIN jobs j USING (job_id)
     WHERE s.state = 'QUEUED' AND j.min_vram_mb <= $2 AND NOT ($1 = ANY (s.banned_machines))
+      -- One live lease of any kind per machine (as claim_job): one stream cannot hoard tasks,
+      -- and a machine back without resuming its training lease gets no task meanwhile.
+      AND NOT EXISTS (SELECT 1 FROM jobs r WHERE r.machine_id = $1 AND r.state = 'RUNNING'
+                      AND r.lease_expires_at > now())
+      AND NOT EXISTS (SELECT 1 FROM sample_tasks r WHERE r.machine_id = $1
+                      AND r.state = 'RUNNING' AND r.lease_expires_at > now())
       AND (SELECT count(*) FROM leases q
            WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
              AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
@@ -888,6 +924,29 @@ UPDATE sample_tasks s
 SET state = 'QUEUED', lease_id = NULL, lease_expires_at = NULL,
     busy_seconds = s.busy_seconds + extract(epoch FROM now() - s.granted_at)
 WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
+RETURNING task_id;
+
+-- name: abandon_sample_task
+-- Machine $3 said Ready while holding task ($1 lease, $2 epoch): the task goes back to the
+-- queue at once, no failure counted, and the machine is banned from it (as drop_lease for a
+-- training lease), so one stream can neither hoard tasks nor collect one's URLs twice.
+UPDATE sample_tasks s
+SET state = 'QUEUED', lease_id = NULL, lease_expires_at = NULL,
+    banned_machines = CASE WHEN $3 = ANY (s.banned_machines) THEN s.banned_machines
+                           ELSE array_append(s.banned_machines, $3::text) END,
+    busy_seconds = s.busy_seconds + extract(epoch FROM now() - s.granted_at)
+WHERE lease_id = $1 AND epoch = $2 AND machine_id = $3 AND state = 'RUNNING'
+  AND lease_expires_at > now()
+RETURNING task_id;
+
+-- name: release_machine_sample_tasks
+-- A new stream of machine $1 holds its id: a sample task is never resumed, so what the
+-- machine still held goes back to the queue at once (no failure, no ban), and neither the task
+-- nor the worker waits out the old lease.
+UPDATE sample_tasks s
+SET state = 'QUEUED', lease_id = NULL, lease_expires_at = NULL,
+    busy_seconds = s.busy_seconds + extract(epoch FROM now() - s.granted_at)
+WHERE s.machine_id = $1 AND s.state = 'RUNNING'
 RETURNING task_id;
 
 -- name: expire_sample_tasks

@@ -160,6 +160,8 @@ CREATE TABLE bans (
     banned_at  timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (job_id, machine_id)
 );
+-- The machine expiry's look-up (0015).
+CREATE INDEX bans_machine_idx ON bans (machine_id);
 
 CREATE TABLE machines (
     machine_id           text PRIMARY KEY,
@@ -178,6 +180,8 @@ CREATE TABLE machines (
     identity_provider    text NOT NULL DEFAULT '',
     identity_verified_at timestamptz
 );
+-- Never-verified machines expire once silent and named by nothing (0015, expire_machines).
+CREATE INDEX machines_unverified_seen_idx ON machines (last_seen_at) WHERE identity_provider = '';
 
 -- Replicas say they are alive (every sweep); one that starts after every replica was down
 -- gives workers a lease TTL to reconnect before their leases expire (0006).
