@@ -23,6 +23,7 @@ import torch
 from diffusers.optimization import get_scheduler
 from opentelemetry import trace
 
+from lorafleet.core.model import FailureClass
 from lorafleet.core.spec import JobSpec
 from lorafleet.worker.training.base_model import (
     encode_prompts,
@@ -518,6 +519,10 @@ class _Run:
         last_report = time.perf_counter()
         steps_since_report = 0
         loss = torch.tensor(self.last_loss)
+        # Whether a step's loss was NaN or Inf, gathered on the device (no host sync a step) and
+        # read where the run would hand weights out: at a checkpoint and at the end. With fp16's
+        # loss scaling a non-finite step is skipped, not applied, so only the weights count then.
+        nonfinite = torch.zeros((), dtype=torch.bool, device=self.runtime.device)
         while self.step < spec.max_train_steps:
             self.poll()
             if self.pending_stop is not None:
@@ -525,6 +530,8 @@ class _Run:
             started = time.perf_counter()
             with self.torch_rng.active():
                 loss = self.optimizer_step()
+            if self.scaler is None:
+                nonfinite |= ~torch.isfinite(loss)
             self.timings.step_seconds.append(time.perf_counter() - started)
             steps_since_report += 1
             final = self.step == spec.max_train_steps
@@ -543,6 +550,7 @@ class _Run:
                 steps_since_report = 0
             due = not final and self.step % spec.checkpointing_steps == 0
             if hooks.on_checkpoint is not None and due:
+                self.check_finite(nonfinite)
                 started = time.perf_counter()
                 with _tracer.start_as_current_span(
                     "training.snapshot", attributes={"lorafleet.step": self.step}
@@ -552,6 +560,7 @@ class _Run:
                 hooks.on_checkpoint(snapshot)
         if self.step > self.start_step:
             self.last_loss = float(loss.item())
+        self.check_finite(nonfinite)
         kohya = None
         if self.spec.output_format in ("kohya", "both"):
             kohya = kohya_weights_bytes(self.trained)
@@ -561,6 +570,18 @@ class _Run:
             lora_weights=lora_weights_bytes(self.trained),
             kohya_weights=kohya,
         )
+
+    def check_finite(self, nonfinite_loss: torch.Tensor) -> None:
+        """A NaN or Inf never becomes a checkpoint or a result: the lease ends as a node fault
+        (on a sound spec it is the machine's arithmetic; a job that diverges everywhere runs
+        out of `max_failures`)."""
+        weights_finite = torch.stack([torch.isfinite(p).all() for p in self.params]).all()
+        if bool(nonfinite_loss) or not bool(weights_finite):
+            raise TrainingFailure(
+                FailureClass.NODE,
+                f"the {'loss' if bool(nonfinite_loss) else 'LoRA weights'} became non-finite"
+                f" (NaN or Inf) by step {self.step}; nothing of it was kept",
+            )
 
     def optimizer_step(self) -> torch.Tensor:
         """`gradient_accumulation_steps` micro-batches, then one optimizer step. Returns the
