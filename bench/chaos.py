@@ -627,6 +627,9 @@ async def run(settings: Settings) -> int:
     provider = LocalProcessProvider(
         scheduler_address=f"127.0.0.1:{tcp.port}",
         worker_token=TOKEN,
+        # The replicas' own (shared data directory): each worker proves its machine id, so the
+        # scaler may act on its instance.
+        identity_secret=(shared / "identity-secret").read_text().strip(),
         log_dir=logs,
         gpus=0,
         extra_env={

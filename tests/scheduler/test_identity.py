@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import datetime
 import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -34,6 +36,7 @@ from lorafleet.scheduler.identity import (
     LocalIdentityVerifier,
     SaladIdentityVerifier,
 )
+from lorafleet.scheduler.server import read_or_create_secret
 from tests.support.fleet import WORKER_TOKEN, Fleet
 from tests.support.jobs import WAIT_S
 from tests.support.workers import ScriptedWorker
@@ -346,3 +349,12 @@ async def test_a_scheduler_that_requires_identities_refuses_a_hello_without_one(
     )
     worker = await _hello(fleet.channel, "m1", proof)
     assert (await worker.expect("welcome")).session_token
+
+
+def test_replicas_starting_together_on_one_data_dir_read_one_secret(tmp_path: Path) -> None:
+    """A replica that read a half-written secret would verify no local token of the others'."""
+    path = tmp_path / "identity-secret"
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        values = set(pool.map(lambda _: read_or_create_secret(path), range(32)))
+    assert values == {path.read_text().strip()} and len(values.pop()) >= 32
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["identity-secret"]

@@ -74,14 +74,25 @@ def tune_gc() -> None:
 
 
 def read_or_create_secret(path: Path, nbytes: int = 32) -> str:
-    """A secret kept in the data directory (mode 0600) so restarts keep URLs and tokens valid."""
+    """A secret kept in the data directory (mode 0600) so restarts keep URLs and tokens valid.
+
+    Created whole or not at all (written beside it, then linked into place), so replicas
+    starting together on one data directory all read the same complete secret."""
     if path.exists():
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True)
     value = secrets.token_urlsafe(nbytes)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(value + "\n")
+    draft = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(value + "\n")
+        try:
+            os.link(draft, path)
+        except FileExistsError:
+            return path.read_text().strip()  # another replica's, complete
+    finally:
+        draft.unlink()
     return value
 
 
