@@ -46,28 +46,33 @@ VALIDATION: dict[str, Any] = dict(
     validation_inference_steps=2,
     num_validation_images=2,
 )
-# Long enough that a worker is surely inside it when the test acts.
-SLOW_SAMPLES: dict[str, Any] = dict(
+# Many images, each cheap: a worker is held inside the task by other means (HELD_SAMPLER).
+MANY_SAMPLES: dict[str, Any] = dict(
     validation_prompts=[f"sks dog, picture {i}" for i in range(8)],
-    validation_inference_steps=40,
+    validation_inference_steps=2,
     num_validation_images=4,
 )
-# As many images, each cheap: for a task the test holds by other means (STUCK_SAMPLER).
-MANY_SAMPLES: dict[str, Any] = {**SLOW_SAMPLES, "validation_inference_steps": 2}
 
-# A worker that trains as any other but, once inside a sample task, never gets out of it: the
-# test acts while it is surely there, however slow or fast the machine, and the task's images
-# can stay cheap for the worker that makes them afterwards.
-STUCK_SAMPLER = """
-import sys, threading
+# A worker whose first sample task makes no image until the task is stopped (revoked, or the
+# worker drained), as if each image took forever: the test acts while the worker is surely
+# inside it, however slow or fast the machine. The tests made it so with 40 denoising steps an
+# image, and the worker that made the images afterwards then needed minutes on a loaded machine.
+HELD_SAMPLER = """
+import sys
 from lorafleet.worker import main as worker_main
 from lorafleet.worker.training.samples import SamplePipelines
 
-def make(self, *args, **kwargs):
-    print("inside a sample task", flush=True)
-    threading.Event().wait()
+make = SamplePipelines.make
+held = []
 
-SamplePipelines.make = make
+def make_once_stopped(self, *args, should_stop, **kwargs):
+    if not held:
+        held.append(True)
+        print("inside a sample task", flush=True)
+        should_stop.__self__.wait()  # the task's stop event (threading.Event.is_set)
+    return make(self, *args, should_stop=should_stop, **kwargs)
+
+SamplePipelines.make = make_once_stopped
 sys.exit(worker_main.main([]))
 """
 
@@ -182,14 +187,15 @@ async def test_samples_appear_for_every_checkpoint_while_the_job_trains(
         await asyncio.to_thread(shutil.copyfile, grid_path, os.environ["LORAFLEET_KEEP_GRID"])
 
 
-@pytest.mark.parametrize("scheduler_overrides", [{"lease_ttl_s": 3.0}])
+# The killed worker's task goes back once its lease expires, while the heir starts (itself
+# seconds); a shorter lease expired the heir's own under heavy load, its heartbeats late while
+# the sample pipeline loaded.
+@pytest.mark.parametrize("scheduler_overrides", [{"lease_ttl_s": 10.0}])
 async def test_a_worker_killed_during_a_sample_task_loses_only_that_task(
     fleet: Fleet, workers: Workers
 ) -> None:
-    # The heir makes all 36 images after the kill: cheap ones, so the wait for them measures
-    # the task being handed on, not how fast two loaded cores run 40 denoising steps each.
     job = await fleet.client.submit(max_train_steps=2, **{**VALIDATION, **MANY_SAMPLES})
-    doomed = await workers.start("m-doomed", script=STUCK_SAMPLER, pipe_stdout=True)
+    doomed = await workers.start("m-doomed", script=HELD_SAMPLER, pipe_stdout=True)
     await fleet.client.wait_state(job.job_id, pb.JOB_STATE_SUCCEEDED, timeout=120)
     ledger = fleet.scheduler.ledger
     await fleet.client.wait_event(
@@ -214,8 +220,8 @@ async def test_a_worker_killed_during_a_sample_task_loses_only_that_task(
 async def test_sample_tasks_never_delay_a_queued_training_job(
     fleet: Fleet, workers: Workers
 ) -> None:
-    first = await fleet.client.submit(max_train_steps=2, **{**VALIDATION, **SLOW_SAMPLES})
-    await workers.start("m-only")
+    first = await fleet.client.submit(max_train_steps=2, **{**VALIDATION, **MANY_SAMPLES})
+    await workers.start("m-only", script=HELD_SAMPLER)
     await fleet.client.wait_state(first.job_id, pb.JOB_STATE_SUCCEEDED, timeout=120)
     ledger = fleet.scheduler.ledger
     await fleet.client.wait_event(first.job_id, KIND.JOB_EVENT_KIND_SAMPLES_STARTED)

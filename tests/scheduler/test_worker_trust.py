@@ -79,7 +79,10 @@ async def test_forged_messages_on_another_workers_lease_are_refused(
         assert after["lease_expires_at"] == before["lease_expires_at"], "not extended"
         # The real holder is untouched and goes on.
         await victim.heartbeat(granted.lease, 8)
-        await fleet.alice.wait_for(job.job_id, lambda j: j.progress.step == 8)
+    # Once the streams have ended every message sent has taken effect. (Waited for inside, the
+    # watch could miss it: a heartbeat within half an interval of the last one makes no
+    # timeline event, so nothing woke the watch if it had read the job just before.)
+    await fleet.alice.wait_for(job.job_id, lambda j: j.progress.step == 8)
 
 
 async def test_a_machine_id_cannot_be_taken_over_while_its_stream_lives(fleet: Fleet) -> None:
