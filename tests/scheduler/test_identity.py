@@ -113,6 +113,8 @@ async def test_a_salad_token_of_the_fleet_names_its_machine(jwks: Jwks) -> None:
         (lambda j: j.token("k1", salad_container_group_id="someone-elses"), "container groups"),
         (lambda j: j.token("k1", exp=int(time.time()) - 3600), "does not verify"),
         (lambda j: j.token("k1", salad_machine_id="../../etc"), "not a machine id"),
+        # Signed, but a claim of the wrong type (a list is unhashable): refused, not a crash.
+        (lambda j: j.token("k1", salad_container_group_id=[GROUP]), "container groups"),
         # Signed by a key the JWKS does not publish, under a kid it does.
         (
             lambda j: jwt.encode(

@@ -283,17 +283,20 @@ async def test_notice_floods_are_logged_within_a_bound(
 
 
 @pytest.mark.parametrize(
-    ("qualification", "field"),
+    ("qualification", "field", "vram_mb"),
     [
-        (fpb.Qualification(passed=True, detail="x" * 3_000_000), "hello.qualification.detail"),
+        (fpb.Qualification(passed=True, detail="x" * 3_000_000), "hello.qualification.detail", 0),
         (
             fpb.Qualification(passed=True, versions={f"p{i}": "1" for i in range(2_000)}),
             "hello.qualification.versions",
+            0,
         ),
+        # More memory than any card has: it would make the machine eligible for every job.
+        (fpb.Qualification(passed=True), "hello.vram_mb", 2**62),
     ],
 )
 async def test_oversized_hello_fields_are_refused(
-    fleet: Fleet, qualification: fpb.Qualification, field: str
+    fleet: Fleet, qualification: fpb.Qualification, field: str, vram_mb: int
 ) -> None:
     call = (
         __import__("lorafleet.fleet.v1.fleet_pb2_grpc", fromlist=["x"])
@@ -301,7 +304,9 @@ async def test_oversized_hello_fields_are_refused(
         .Connect(metadata=(("authorization", f"Bearer {fleet.token}"),))
     )
     worker = ScriptedWorker(machine_id="big", call=call)
-    await worker.send(hello=fpb.Hello(machine_id="big", qualification=qualification))
+    await worker.send(
+        hello=fpb.Hello(machine_id="big", qualification=qualification, vram_mb=vram_mb)
+    )
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await worker.expect("welcome")
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT

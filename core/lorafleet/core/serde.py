@@ -372,11 +372,16 @@ def lease_ref_to_proto(ref: LeaseRef) -> fpb.LeaseRef:
     return fpb.LeaseRef(lease_id=ref.lease_id, epoch=ref.epoch)
 
 
+# More memory than any accelerator has (16 TiB): a larger figure is a lie that would make the
+# machine eligible for every min_vram_mb.
+MAX_VRAM_MB = 16 * 1024 * 1024
+
+
 def machine_from_hello(hello: fpb.Hello) -> Machine:
     if not _MACHINE_ID.fullmatch(hello.machine_id):
         raise InvalidArgument("hello.machine_id", "must match [A-Za-z0-9_.:@-]{1,128}")
-    if hello.vram_mb < 0:
-        raise InvalidArgument("hello.vram_mb", "must not be negative")
+    if not 0 <= hello.vram_mb <= MAX_VRAM_MB:
+        raise InvalidArgument("hello.vram_mb", f"must be 0..{MAX_VRAM_MB}")
     for name, value in (
         ("provider_instance_id", hello.provider_instance_id),
         ("gpu_model", hello.gpu_model),

@@ -126,7 +126,7 @@ class SaladIdentityVerifier:
         except jwt.PyJWTError as exc:
             raise _refused(f"the SaladCloud token does not verify ({exc})") from exc
         group = claims.get("salad_container_group_id")
-        if group not in self._groups:
+        if not isinstance(group, str) or group not in self._groups:
             raise _refused("the SaladCloud token is not of this fleet's container groups")
         return VerifiedIdentity(
             provider="salad", machine_id=_machine_id(claims.get("salad_machine_id"), "machine id")
