@@ -348,7 +348,8 @@ def event_from_proto(msg: pb.JobEvent) -> JobEvent:
 # sender's lease (its keys) are the `check_*` functions, which the worker handler calls. The
 # handler acts only on values that passed.
 
-_MACHINE_ID = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+# What a machine id may be: the Hello's, and a provider proof's claim (scheduler/identity.py).
+MACHINE_ID = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 MAX_LEASE_ID_CHARS = 64
 MAX_WORKER_TEXT_CHARS = 256
@@ -378,7 +379,7 @@ MAX_VRAM_MB = 16 * 1024 * 1024
 
 
 def machine_from_hello(hello: fpb.Hello) -> Machine:
-    if not _MACHINE_ID.fullmatch(hello.machine_id):
+    if not MACHINE_ID.fullmatch(hello.machine_id):
         raise InvalidArgument("hello.machine_id", "must match [A-Za-z0-9_.:@-]{1,128}")
     if not 0 <= hello.vram_mb <= MAX_VRAM_MB:
         raise InvalidArgument("hello.vram_mb", f"must be 0..{MAX_VRAM_MB}")

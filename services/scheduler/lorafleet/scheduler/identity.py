@@ -28,7 +28,6 @@ import asyncio
 import base64
 import hmac
 import json
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,9 +43,8 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from lorafleet.core.errors import LorafleetError, Unauthenticated
 from lorafleet.core.identity import local_identity_token
 from lorafleet.core.model import IdentityProof
+from lorafleet.core.serde import MACHINE_ID
 
-# The scheduler's rule for machine ids (the same as serde.machine_from_hello's).
-_MACHINE_ID = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 # Bounds on what a stranger may make the scheduler parse.
 MAX_JWT_CHARS = 4096
 MAX_EC2_DOCUMENT_BYTES = 8192
@@ -72,7 +70,7 @@ def _refused(reason: str) -> Unauthenticated:
 
 
 def _machine_id(value: object, claim: str) -> str:
-    if not isinstance(value, str) or not _MACHINE_ID.fullmatch(value):
+    if not isinstance(value, str) or not MACHINE_ID.fullmatch(value):
         raise _refused(f"the proof's {claim} is not a machine id")
     return value
 
