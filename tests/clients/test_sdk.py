@@ -157,8 +157,13 @@ async def test_watch_goes_on_across_a_scheduler_restart(database_url: str, tmp_p
         scheduler_config(database_url, tmp_path / "data", listen=f"127.0.0.1:{port}")
     ):
         try:
+            # The watch reopens first (it starts again with the job as it is). Only then is the
+            # client's channel known to be up: a call made while it still backs off from the
+            # outage fails at once with "connection refused".
+            reopened = await asyncio.wait_for(updates.get(), WAIT_S)
+            assert reopened is not None and reopened.job.state is JobState.QUEUED
             assert (await client.cancel(job.job_id)).state is JobState.CANCELED
-            seen: list[WatchUpdate] = []
+            seen: list[WatchUpdate] = [reopened]
             while (update := await asyncio.wait_for(updates.get(), WAIT_S)) is not None:
                 seen.append(update)
             await asyncio.wait_for(watching, WAIT_S)
