@@ -21,13 +21,16 @@ SUPERVISOR = textwrap.dedent(
     child.wait()
     """
 )
-# The child: what worker.main does first, then waits for its SIGTERM (a worker drains on it).
+# The child: what worker.main does first, then says so on the shared stdout and waits for its
+# SIGTERM (a worker drains on it). Importing the worker takes seconds (torch), longer on a busy
+# machine: the test kills the supervisor only once the child is armed.
 CHILD = textwrap.dedent(
     """
     import os, signal, sys, time
     from lorafleet.worker.main import stop_with_parent
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     stop_with_parent(os.environ)
+    print("armed", flush=True)
     time.sleep(60)
     """
 )
@@ -48,6 +51,7 @@ def test_a_supervised_worker_gets_sigterm_when_its_supervisor_is_killed() -> Non
     ) as supervisor:
         assert supervisor.stdout is not None
         child_pid = int(supervisor.stdout.readline())
+        assert supervisor.stdout.readline().strip() == "armed"
         supervisor.send_signal(signal.SIGKILL)
         supervisor.wait(timeout=10)
     deadline = time.monotonic() + 30
@@ -58,3 +62,18 @@ def test_a_supervised_worker_gets_sigterm_when_its_supervisor_is_killed() -> Non
         time.sleep(0.05)
     os.kill(child_pid, signal.SIGKILL)
     raise AssertionError("the worker outlived its supervisor")
+
+
+def test_a_worker_whose_supervisor_died_before_it_was_armed_stops_at_once() -> None:
+    """The parent died while the worker was still importing: the parent named in
+    LORAFLEET_PARENT_PID is not its parent any more, and it stops instead of training on."""
+    not_my_parent = os.getpid() + 1_000_000  # no such process is this child's parent
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        env=dict(os.environ, LORAFLEET_PARENT_PID=str(not_my_parent)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 143, child.stderr
+    assert "armed" not in child.stdout

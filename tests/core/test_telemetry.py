@@ -8,6 +8,7 @@ import os
 import pty
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import structlog
@@ -15,8 +16,17 @@ import structlog
 from lorafleet.core.telemetry import configure_logging
 
 
-def test_library_records_are_json_lines_like_ours(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture
+def json_logging() -> Iterator[None]:
+    """JSON lines for this test only: the process's other tests read the console format that
+    tests/conftest.py set (xdist runs many tests in one process)."""
     configure_logging(level="INFO", fmt="json")
+    yield
+    configure_logging(fmt="console")
+
+
+@pytest.mark.usefixtures("json_logging")
+def test_library_records_are_json_lines_like_ours(capsys: pytest.CaptureFixture[str]) -> None:
     try:
         raise ConnectionRefusedError("postgres is starting")
     except ConnectionRefusedError:
