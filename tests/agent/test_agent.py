@@ -695,8 +695,17 @@ async def test_a_result_lost_with_the_stream_is_sent_again_after_reconnecting(
             run = await observer.run(0)
             observer.hold_at = None
             assert await asyncio.to_thread(run.reached.wait, WAIT_S)
-            # From now on nothing the worker writes arrives: JobSucceeded is lost in transit.
-            proxy.blackhole = True
+            # Once the result's upload starts (its URL came over the stream), nothing the worker
+            # writes arrives: JobSucceeded is lost in transit. The upload itself goes to the
+            # store directly, not through the proxy.
+            upload = agent._transfer.upload
+
+            async def blackholed_after(url: str, data: bytes, *, md5: str | None = None) -> None:
+                if "/result/" in url:
+                    proxy.blackhole = True
+                await upload(url, data, md5=md5)
+
+            agent._transfer.upload = blackholed_after  # type: ignore[method-assign]
             run.release.set()
             async with asyncio.timeout(WAIT_S):
                 await agent.wait_until(

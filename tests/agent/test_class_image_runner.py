@@ -70,7 +70,9 @@ class Link:
         kind = message.WhichOneof("message")
         if kind == "urls_requested":
             uploads = [
-                fpb.UploadUrl(
+                fpb.UploadUrl(slot=slot, key="result", url="put://result")
+                if slot.kind == fpb.ARTIFACT_KIND_RESULT
+                else fpb.UploadUrl(
                     slot=slot,
                     key=class_image_key(JOB_ID, slot.index, EPOCH),
                     url=f"put://{slot.index}",
@@ -148,7 +150,6 @@ async def test_a_runner_reuses_the_verified_run_and_announces_what_it_generates(
                 )
                 for i, data in recorded.items()
             ],
-            result_upload=fpb.UploadUrl(key="result", url="put://result"),
         ),
     )
     config = load(

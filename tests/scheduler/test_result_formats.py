@@ -171,3 +171,25 @@ async def test_a_kohya_file_announced_unlike_what_is_stored_is_refused(fleet: Fl
         assert "does not match" in rejected.reason
     current = await fleet.alice.get(job.job_id)
     assert current.state != pb.JOB_STATE_SUCCEEDED and not current.HasField("result")
+
+
+async def test_result_urls_asked_for_at_the_end_write_the_leases_result_keys(fleet: Fleet) -> None:
+    """A worker asks for its result URLs right before the upload (ARTIFACT_KIND_RESULT): fresh,
+    at this epoch's keys for each of output_format's files, write-once; no other index."""
+    job = await fleet.alice.submit(output_format=pb.OUTPUT_FORMAT_BOTH)
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        granted = await worker.ready_for_lease()
+        ref = worker.ref(granted.lease)
+        slots = [fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_RESULT, index=i) for i in (0, 1)]
+        await worker.send(urls_requested=fpb.UrlsRequested(lease=ref, slots=slots))
+        main, kohya = (await worker.expect("urls_renewed")).urls.uploads
+        assert main.key == result_key(job.job_id, 1)
+        assert kohya.key == result_key(job.job_id, 1, "kohya")
+        assert await _put(main.url, b"diffusers lora") in (200, 201, 204)
+        assert await _put(main.url, b"other") == 412
+        beyond = fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_RESULT, index=2)
+        await worker.send(urls_requested=fpb.UrlsRequested(lease=ref, slots=[beyond]))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await worker.expect("welcome")
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "urls_requested.slots[0].index" in (refused.value.details() or "")

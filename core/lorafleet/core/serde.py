@@ -622,6 +622,14 @@ def upload_slot_key(
                 f"{field}.index", f"must be below num_class_images ({spec.num_class_images})"
             )
         return class_image_key(job_id, slot.index, epoch)
+    if slot.kind == fpb.ARTIFACT_KIND_RESULT:
+        formats = result_formats(spec.output_format)
+        if slot.index >= len(formats):
+            raise InvalidArgument(
+                f"{field}.index",
+                f"must be below {len(formats)} (output_format {spec.output_format})",
+            )
+        return result_key(job_id, epoch, formats[slot.index])
     raise InvalidArgument(f"{field}.kind", "unknown artifact kind")
 
 

@@ -38,6 +38,11 @@ class _ArtifactKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Artifact
     """jobs/<job_id>/class_images/<index>-e<epoch>.png (generated prior-preservation images): keyed
     per lease like checkpoints, so no holder writes an image another holder will read.
     """
+    ARTIFACT_KIND_RESULT: _ArtifactKind.ValueType  # 4
+    """jobs/<job_id>/result/e<epoch>/<file>: the lease's result files, `index` the file's place in
+    output_format's list (0: the main file; 1: the kohya file with output_format both). Asked
+    for right before the upload, so a result never meets a URL that expired during the run.
+    """
 
 class ArtifactKind(_ArtifactKind, metaclass=_ArtifactKindEnumTypeWrapper): ...
 
@@ -51,6 +56,11 @@ sample tasks now (SampleTaskGranted); still signed for workers of earlier versio
 ARTIFACT_KIND_CLASS_IMAGE: ArtifactKind.ValueType  # 3
 """jobs/<job_id>/class_images/<index>-e<epoch>.png (generated prior-preservation images): keyed
 per lease like checkpoints, so no holder writes an image another holder will read.
+"""
+ARTIFACT_KIND_RESULT: ArtifactKind.ValueType  # 4
+"""jobs/<job_id>/result/e<epoch>/<file>: the lease's result files, `index` the file's place in
+output_format's list (0: the main file; 1: the kohya file with output_format both). Asked
+for right before the upload, so a result never meets a URL that expired during the run.
 """
 Global___ArtifactKind: _TypeAlias = ArtifactKind  # noqa: Y015
 
@@ -1015,7 +1025,9 @@ class JobUrls(_message.Message):
 
     @_builtins.property
     def result_upload(self) -> Global___UploadUrl:
-        """Where the final pytorch_lora_weights.safetensors goes."""
+        """Where the final pytorch_lora_weights.safetensors goes. Deprecated: workers ask for
+        ARTIFACT_KIND_RESULT slots right before the upload; still signed for earlier workers.
+        """
 
     @_builtins.property
     def uploads(self) -> _containers.RepeatedCompositeFieldContainer[Global___UploadUrl]:
@@ -1027,6 +1039,7 @@ class JobUrls(_message.Message):
     def kohya_result_upload(self) -> Global___UploadUrl:
         """output_format both: where pytorch_lora_weights_kohya.safetensors goes (result_upload then
         takes the diffusers file; with output_format kohya, result_upload takes the kohya file).
+        Deprecated like result_upload.
         """
 
     @_builtins.property

@@ -18,11 +18,12 @@
    snapshot replaces the waiting one. No checkpoint byte touches local disk. Class images
    the run generates are stored at this lease's keys and announced (`ClassImagesCommitted`,
    with their sha256) before any checkpoint trained with them is.
-5. The end: the LoRA goes to `urls.result_upload` and `JobSucceeded` follows; a failure sends
-   `JobFailed` with the trainer's class (input, node, internal). A revocation or rejection
-   (`cancel`) stops the run at its next step boundary and sends nothing more; a drain stops
-   it there with a snapshot, which is uploaded and committed before `run()` returns. `run()`
-   returns once the run has left the training thread: the agent says Ready when it is free.
+5. The end: the LoRA goes to a result URL asked for then (ARTIFACT_KIND_RESULT: never one
+   that expired during a long run) and `JobSucceeded` follows; a failure sends `JobFailed`
+   with the trainer's class (input, node, internal). A revocation or rejection (`cancel`) stops
+   the run at its next step boundary and sends nothing more; a drain stops it there with a
+   snapshot, which is uploaded and committed before `run()` returns. `run()` returns once the
+   run has left the training thread: the agent says Ready when it is free.
 
 The runner reaches the scheduler only through a `LeaseLink`, which the agent implements on top
 of its current stream and which waits while the agent reconnects.
@@ -967,20 +968,24 @@ class LeaseRunner:
         # Class images still uploading belong to the job: store them before the lease ends
         # (their URLs need a live lease). Each upload is bounded by the transfer deadline.
         await asyncio.gather(*list(self._artifact_tasks), return_exceptions=True)
-        # The main file (the diffusers one unless output_format is kohya) at result_upload;
-        # with output_format both the kohya file at kohya_result_upload.
+        # The main file (the diffusers one unless output_format is kohya) at result slot 0;
+        # with output_format both the kohya file at slot 1.
         main, *others = result_formats(spec_from_proto(self.grant.spec).output_format)
         files = {"diffusers": outcome.lora_weights, "kohya": outcome.kohya_weights}
         main_data = files[main]
         if main_data is None or (others and outcome.kohya_weights is None):
             raise RuntimeError(f"the trainer wrote no {main} file for output_format")
         blob = await asyncio.to_thread(_blob, main_data)
-        target = self._urls.result_upload
+        # Fresh PUT URLs, asked for now: the grant's may have expired during a long run.
+        slots = [
+            fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_RESULT, index=i) for i in range(1 + len(others))
+        ]
+        target, *kohya_targets = await self._upload_urls(slots)
         kohya = None
-        if others:
+        if kohya_targets:
             assert outcome.kohya_weights is not None
             kohya_blob = await asyncio.to_thread(_blob, outcome.kohya_weights)
-            kohya_target = self._urls.kohya_result_upload
+            (kohya_target,) = kohya_targets
             with tracer.start_as_current_span(
                 "worker.upload_result",
                 attributes={
