@@ -539,6 +539,28 @@ class JobSpec:
         head = (self.validation_prompt,) if self.validation_prompt else ()
         return head + tuple(self.validation_prompts)
 
+    @property
+    def resident_key(self) -> str:
+        """What a worker keeps loaded between leases (the frozen base model's components in
+        their precision): a lease with the same key only attaches fresh adapters. Workers name
+        it in Ready (WarmState.resident) and the dispatcher matches it."""
+        return f"{self.base_model}|{self.vae_model}|{self.mixed_precision}"
+
+    @property
+    def compiled_shape_key(self) -> str:
+        """The shape a compiled training step is specialised to: a lease of the same shape on
+        a node that compiled it reuses the compiled step (WarmState.compiled_shapes)."""
+        shape = (
+            self.resolution,
+            self.train_batch_size,
+            self.lora_rank,
+            int(self.train_text_encoder),
+            int(self.gradient_checkpointing),
+            int(self.use_dora),
+            int(self.aspect_ratio_bucketing),
+        )
+        return f"{self.resident_key}|" + "x".join(str(v) for v in shape)
+
     def fingerprint_values(self, first_revision: int = 1) -> dict[str, Any]:
         """The values a checkpoint's resume fingerprint covers: the fields that train, those
         added after `first_revision` (the revision the fingerprint's format began with) only

@@ -328,16 +328,52 @@ class Ready(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    WARM_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def warm(self) -> Global___WarmState:
+        """What this worker holds from earlier leases; the dispatcher prefers a queued job that
+        matches, within its fairness bound. Unverified like every worker claim: a worker that lies
+        here changes only which job it gets.
+        """
+
     def __init__(
         self,
+        *,
+        warm: Global___WarmState | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["warm", b"warm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["warm", b"warm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Ready: _TypeAlias = Ready  # noqa: Y015
+
+@_typing.final
+class WarmState(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESIDENT_FIELD_NUMBER: _builtins.int
+    COMPILED_SHAPES_FIELD_NUMBER: _builtins.int
+    resident: _builtins.str
+    """The resident base model (JobSpec.resident_key: base model, VAE, precision); empty: none."""
+    @_builtins.property
+    def compiled_shapes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The training-step shapes compiled on this node (JobSpec.compiled_shape_key)."""
+
+    def __init__(
+        self,
+        *,
+        resident: _builtins.str = ...,
+        compiled_shapes: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compiled_shapes", b"compiled_shapes", "resident", b"resident"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WarmState: _TypeAlias = WarmState  # noqa: Y015
 
 @_typing.final
 class Heartbeat(_message.Message):
