@@ -13,6 +13,7 @@ import pytest
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
+from lorafleet.core.spec import JobSpec
 from lorafleet.worker.training import Finished, Trainer
 from lorafleet.worker.training.base_model import Components
 from lorafleet.worker.training.config import resolve_runtime
@@ -33,7 +34,7 @@ def base_digest(components: Components) -> str:
     return digest.hexdigest()
 
 
-def lora_of(tiny_model_dir: Path, spec: object, resident: ResidentModel | None) -> bytes:
+def lora_of(tiny_model_dir: Path, spec: JobSpec, resident: ResidentModel | None) -> bytes:
     outcome = Trainer(make_config(tiny_model_dir, spec), resident).run(
         instance_images=instance_images(), hooks=Recorder().hooks()
     )
