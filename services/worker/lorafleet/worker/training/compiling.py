@@ -10,9 +10,8 @@ node's compile cache directory; a shape never measured here is judged on a conse
 The cache directory is node-local and outlives leases and restarts: inductor's FX-graph and
 kernel caches (`TORCHINDUCTOR_CACHE_DIR`) live under it, so a restarted worker compiles a known
 shape in seconds. It is never uploaded nor downloaded (compiled code from another machine is
-code from a stranger); an operator may bake one into the worker image. Each worker has its
-own: two processes compiling the same graph into one directory at once is what once made a
-compiled test run train NaN weights (docs/BENCHMARKS.md, "Compile cache").
+code from a stranger); an operator may bake one into the worker image (docs/DEPLOYING.md).
+Each worker has its own, so its cost records describe its own machine.
 """
 
 from __future__ import annotations
