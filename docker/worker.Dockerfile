@@ -46,14 +46,15 @@ ENV PYTHONUNBUFFERED=1 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     LORAFLEET_MODEL_CACHE_DIR=/models \
+    LORAFLEET_COMPILE_CACHE_DIR=/compile-cache \
     HF_HUB_CACHE=/models \
     HF_HOME=/models/.hf-home \
     HF_HUB_DISABLE_TELEMETRY=1 \
     LORAFLEET_LOG_FORMAT=json
 
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin lorafleet \
- && mkdir -p /models \
- && chown lorafleet:lorafleet /models
+ && mkdir -p /models /compile-cache \
+ && chown lorafleet:lorafleet /models /compile-cache
 
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 

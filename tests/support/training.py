@@ -65,6 +65,7 @@ class Recorder:
     progress: list[tuple[int, float, float, float]] = field(default_factory=list)
     snapshots: list[TrainingSnapshot] = field(default_factory=list)
     class_images: list[tuple[int, bytes]] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
     stop_at: int | None = None
     stop_reason: StopReason = "drain"
 
@@ -74,6 +75,7 @@ class Recorder:
             should_stop=self._should_stop,
             on_checkpoint=self.snapshots.append,
             on_class_images=self.class_images.extend,
+            on_notice=self.notices.append,
         )
 
     def _should_stop(self) -> StopReason | None:

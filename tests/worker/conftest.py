@@ -13,6 +13,7 @@ import torch
 
 from lorafleet.core.spec import JobSpec
 from lorafleet.worker.training import Trainer, TrainingImage, TrainingOutcome, TrainingSnapshot
+from lorafleet.worker.training.resident import ResidentModel
 from tests.support.training import TEST_DEVICE, Recorder, TrainFn, instance_images, make_config
 
 if TEST_DEVICE == "cuda":
@@ -53,10 +54,11 @@ def train(tiny_model_dir: Path) -> TrainFn:
         class_images: Sequence[TrainingImage] = (),
         resume: TrainingSnapshot | None = None,
         recorder: Recorder | None = None,
+        resident: ResidentModel | None = None,
         **config: Any,
     ) -> tuple[TrainingOutcome, Recorder]:
         recorder = recorder or Recorder()
-        trainer = Trainer(make_config(tiny_model_dir, spec, **config))
+        trainer = Trainer(make_config(tiny_model_dir, spec, **config), resident)
         outcome = trainer.run(
             instance_images=instance_images() if images is None else images,
             class_images=class_images,

@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import functools
 import random
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -82,6 +83,8 @@ from lorafleet.worker.qualify import QualificationResult, probe
 from lorafleet.worker.salad_imds import request_reallocation
 from lorafleet.worker.sample_runner import SampleRunner
 from lorafleet.worker.spot_notice import watch_spot_notice
+from lorafleet.worker.training import Trainer
+from lorafleet.worker.training.resident import ResidentModel
 from lorafleet.worker.training.samples import SamplePipelines
 from lorafleet.worker.training_thread import TrainingThread
 from lorafleet.worker.transfer import TransferClient
@@ -213,8 +216,10 @@ class Agent(AsyncLifecycle):
         self._changed = asyncio.Event()
         self._session: _Session | None = None
         self._runner: LeaseRunner | SampleRunner | None = None
-        # The base pipeline sample tasks keep loaded between them.
-        self.sample_pipelines = SamplePipelines()
+        # The base model kept loaded between leases, shared by training runs and sample tasks
+        # (used on the training thread only).
+        self.resident = ResidentModel()
+        self.sample_pipelines = SamplePipelines(self.resident)
         self._runner_task: asyncio.Task[LeaseResult] | None = None
         self._terminal: _Terminal | None = None
         # What this worker was given that proves it is itself after a reconnect: the session
@@ -709,16 +714,14 @@ class Agent(AsyncLifecycle):
                 pipelines=self.sample_pipelines,
             )
         else:
-            # The training run needs the memory a kept sample pipeline holds: released first,
-            # on the training thread (its queue runs it before the run).
-            self._training.submit(self.sample_pipelines.release)
             runner = LeaseRunner(
                 grant=grant,
                 link=_Link(self, ref),
                 transfer=self._transfer,
                 training=self._training,
                 config=self.config,
-                **({"trainer_factory": self._trainer_factory} if self._trainer_factory else {}),
+                trainer_factory=self._trainer_factory
+                or functools.partial(Trainer, resident=self.resident),
             )
         self._runner = runner
         self.recent_leases.append(runner)
@@ -739,6 +742,12 @@ class Agent(AsyncLifecycle):
         else:
             self._log.info("message about another lease ignored", lease_id=ref.lease_id, why=reason)
 
+    def warm_state(self) -> fpb.WarmState:
+        """What the resident model holds now (the dispatcher prefers jobs that match)."""
+        return fpb.WarmState(
+            resident=self.resident.key or "", compiled_shapes=self.resident.compiled_shapes
+        )
+
     def _enter_idle(self) -> None:
         self._set_state(State.IDLE)
         self._ready_if_free()
@@ -748,7 +757,7 @@ class Agent(AsyncLifecycle):
         qualified = self.qualification is not None and self.qualification.passed
         if self._state is State.IDLE and self._runner is None and session is not None:
             if qualified:
-                session.send(fpb.ConnectRequest(ready=fpb.Ready()))
+                session.send(fpb.ConnectRequest(ready=fpb.Ready(warm=self.warm_state())))
             else:
                 self._log.warning(
                     "not qualified: staying connected without work",

@@ -28,6 +28,9 @@ DEFAULT_SCHEDULER = "127.0.0.1:50051"
 MACHINE_ID_PATTERN = r"^[A-Za-z0-9_.:@-]{1,128}$"
 # Of EC2's two-minute spot notice, what the poll interval and the drain may use together.
 SPOT_NOTICE_BUDGET_S = 100.0
+# What `compile_model` also accepts for on and off (it was a boolean option).
+_TRUE = frozenset({"true", "1", "yes"})
+_FALSE = frozenset({"false", "0", "no"})
 
 
 def default_machine_id() -> str:
@@ -135,11 +138,17 @@ class WorkerConfig(ServiceSettings):
         ge=0,
         description="read the training loss (a device sync) at most this often for progress",
     )
-    compile_model: bool = Field(
-        False,
-        description="torch.compile the UNet (with trained text encoders: the forward from the "
-        "prompt to the loss): a faster step after a warm-up of seconds to minutes per job; pays "
-        "off on long jobs",
+    compile_model: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="torch.compile the training step (the UNet; with trained text encoders the"
+        " forward from the prompt to the loss): on, off, or auto: when the job's remaining steps"
+        " pay for the compile, by this node's own measurements per job shape (true/false: on/off)",
+    )
+    compile_cache_dir: Path | None = Field(
+        None,
+        description="this node's compile cache (inductor's caches, measured compile costs), kept"
+        " across leases and restarts, never shared with other workers; bake one into an image"
+        " here (unset: $XDG_CACHE_HOME or ~/.cache, then lorafleet/compile-<machine id>)",
     )
 
     # The simulated trainer (simulated.py): benchmarks and tests only, never the default.
@@ -225,6 +234,15 @@ class WorkerConfig(ServiceSettings):
         " port, all interfaces (0: any free port); unset: neither",
     )
 
+    @field_validator("compile_model", mode="before")
+    @classmethod
+    def _bools_are_on_and_off(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return "on" if value.strip().lower() in _TRUE else "off"
+        return value
+
     @field_validator("machine_id", mode="before")
     @classmethod
     def _hostname_by_default(cls, value: Any) -> Any:
@@ -248,6 +266,14 @@ class WorkerConfig(ServiceSettings):
                     f" must fit in {SPOT_NOTICE_BUDGET_S:g} s of EC2's two-minute notice"
                 )
         return self
+
+    @property
+    def compile_cache_path(self) -> Path:
+        """`compile_cache_dir`, or this machine's own directory in the user's cache."""
+        if self.compile_cache_dir is not None:
+            return self.compile_cache_dir
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return Path(base) / "lorafleet" / f"compile-{self.machine_id}"
 
     @property
     def machine_id_configured(self) -> bool:

@@ -130,6 +130,7 @@ def training_config_for(config: WorkerConfig, spec: JobSpec) -> TrainingConfig:
         sample_steps=config.sample_steps,
         sample_batch_size=config.sample_batch_size,
         compile_model=config.compile_model,
+        compile_cache_dir=str(config.compile_cache_path),
         progress_interval_s=config.progress_interval_s,
     )
 
@@ -672,6 +673,7 @@ class LeaseRunner:
             should_stop=self._should_stop,
             on_checkpoint=self._on_checkpoint,
             on_class_images=self._on_class_images,
+            on_notice=self._on_notice,
         )
         start = resume.step if resume is not None else 0
         with tracer.start_as_current_span(
@@ -758,6 +760,16 @@ class LeaseRunner:
 
     def _on_class_images(self, batch: list[tuple[int, bytes]]) -> None:
         self._to_loop(self._store_class_images, batch)
+
+    def _on_notice(self, message: str) -> None:
+        self._to_loop(self._send_notice, message)
+
+    def _send_notice(self, message: str) -> None:
+        async def send() -> bool:
+            await self._notice(message)
+            return True
+
+        self._spawn(send())
 
     # Uploads (event loop) -------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import torch
 
 from lorafleet.core.model import FailureClass
 from lorafleet.core.spec import JobSpec
+from lorafleet.worker.training.compiling import CompileChoice
 from lorafleet.worker.training.failures import TrainingFailure, input_fault
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
@@ -37,11 +38,15 @@ class TrainingConfig:
       least this many seconds after the previous report (0: after every step), and after the
       last. Each report reads the loss, a device-to-host sync that stops the host from queueing
       the next step's kernels ahead, so a worker reports about once a second, not every step.
-    * `compile_model`: `torch.compile` (inductor) the step's forward: the UNet when the text
-      embeddings are cached, one graph from the prompt's token ids to the loss when the text
-      encoders are trained. The first step pays the compilation (seconds with a warm kernel
-      cache, minutes cold); it wins on long jobs. Off by default (docs/BENCHMARKS.md,
-      "Trainer", has the figures).
+    * `compile_model`: `on` compiles the step's forward with `torch.compile` (inductor): the
+      UNet when the text embeddings are cached, one graph from the prompt's token ids to the
+      loss when the text encoders are trained. The first step pays the compilation (nothing
+      when the worker's resident model has that shape compiled, seconds with a warm kernel
+      cache, minutes cold); it wins on long jobs. `auto` compiles when the run's remaining
+      steps make it pay, by this node's measurements (compiling.py); `off` never. True and
+      False mean on and off. The worker defaults to auto; a bare TrainingConfig to off.
+    * `compile_cache_dir`: this node's own compile cache (inductor's caches and the measured
+      compile costs), kept across runs and restarts; None: inductor's default, nothing kept.
     """
 
     spec: JobSpec
@@ -55,7 +60,8 @@ class TrainingConfig:
     sample_batch_size: int = 4
     guidance_scale: float = 5.0
     progress_interval_s: float = 0.0
-    compile_model: bool = False
+    compile_model: CompileChoice | bool = "off"
+    compile_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("sample_steps", "sample_batch_size"):
@@ -63,6 +69,15 @@ class TrainingConfig:
                 raise ValueError(f"{name} must be at least 1")
         if not self.progress_interval_s >= 0:
             raise ValueError("progress_interval_s must be at least 0")
+        if isinstance(self.compile_model, bool):
+            object.__setattr__(self, "compile_model", "on" if self.compile_model else "off")
+        if self.compile_model not in ("auto", "on", "off"):
+            raise ValueError("compile_model must be auto, on or off")
+
+    @property
+    def compile_choice(self) -> CompileChoice:
+        assert not isinstance(self.compile_model, bool)
+        return self.compile_model
 
     @property
     def model_ref(self) -> str:

@@ -13,10 +13,12 @@ import functools
 import hashlib
 import importlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -28,7 +30,6 @@ from lorafleet.core.spec import JobSpec
 from lorafleet.worker.training.base_model import (
     encode_prompts,
     install_output_hooks,
-    load_components,
     tokenize,
 )
 from lorafleet.worker.training.checkpoint import (
@@ -37,6 +38,7 @@ from lorafleet.worker.training.checkpoint import (
     split_tensors,
     to_host,
 )
+from lorafleet.worker.training.compiling import CompileCosts, decide, use_cache_dir
 from lorafleet.worker.training.config import TrainingConfig, resolve_runtime
 from lorafleet.worker.training.data import (
     DataOrder,
@@ -66,10 +68,12 @@ from lorafleet.worker.training.objective import (
     sample_latents,
     snr_per_timestep,
 )
+from lorafleet.worker.training.resident import ResidentModel
 from lorafleet.worker.training.rng import TorchRngStream
 from lorafleet.worker.training.sampling import generate_class_images
 
 _tracer = trace.get_tracer("lorafleet.worker.training")
+log = logging.getLogger(__name__)
 
 StopReason = Literal["cancel", "drain"]
 ProgressHook = Callable[[int, float, float, float], None]
@@ -101,6 +105,8 @@ class TrainingHooks:
       than `num_class_images` were supplied, per batch as they are made. Store them before any
       checkpoint is committed and pass them back as `class_images` when resuming: a checkpoint
       is only valid with the class images it was trained with.
+    * `on_notice(message)`: something the job's owner should read on its timeline (whether
+      the step was compiled and why, a compiled run falling back to eager).
 
     Validation images are not made here: the training thread never stops for them. They are
     sample tasks on the fleet (`lorafleet.worker.training.samples`), made from the
@@ -111,6 +117,7 @@ class TrainingHooks:
     should_stop: Callable[[], StopReason | None] | None = None
     on_checkpoint: Callable[[TrainingSnapshot], None] | None = None
     on_class_images: Callable[[list[tuple[int, bytes]]], None] | None = None
+    on_notice: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +156,10 @@ class RunTimings:
     snapshot_seconds: list[float] = field(default_factory=list)
 
 
+class NonFinite(TrainingFailure):
+    """The loss or the LoRA weights became NaN or Inf (a node fault)."""
+
+
 class _Cancelled(Exception):
     """Unwinds a run from inside a step when `should_stop` says "cancel"."""
 
@@ -160,12 +171,20 @@ class Trainer:
     scaling and accumulation are the run's own), so any number of Trainers may exist in one
     process, with any settings. Their runs take turns: a `run` called while another is
     running waits for it to end (see `_ONE_RUN_AT_A_TIME`).
+
+    `resident` is the worker's resident base model (resident.py): the run takes the frozen
+    components (and a compiled step) from it and hands them back as they were. Without one
+    the run loads its own and drops them at its end.
     """
 
-    def __init__(self, config: TrainingConfig) -> None:
+    def __init__(self, config: TrainingConfig, resident: ResidentModel | None = None) -> None:
         self.config = config
         self.timings = RunTimings()
         self._ran = False
+        self._resident = resident
+        # Whether the run compiled its step, and whether it fell back to eager.
+        self.compiled = False
+        self.fell_back_to_eager = False
 
     def run(
         self,
@@ -180,7 +199,8 @@ class Trainer:
         if self._ran:
             raise RuntimeError("a Trainer runs once; make a new one for another run")
         self._ran = True
-        run = _Run(self.config, hooks or TrainingHooks(), self.timings)
+        resident = self._resident or ResidentModel()
+        run = _Run(self.config, hooks or TrainingHooks(), self.timings, resident)
         with _ONE_RUN_AT_A_TIME:
             try:
                 return run.execute(instance_images, class_images, resume)
@@ -188,6 +208,12 @@ class Trainer:
                 raise
             except Exception as exc:
                 raise as_training_failure(exc) from exc
+            finally:
+                self.compiled = run.compiled
+                self.fell_back_to_eager = run.fell_back_to_eager
+                run.hand_back()
+                if self._resident is None:
+                    resident.release()
 
 
 def job_fingerprint(
@@ -218,11 +244,24 @@ def _enable_activation_checkpointing(encoder: Any) -> None:
 class _Run:
     """The mutable state of one run. Methods are the named steps of training."""
 
-    def __init__(self, config: TrainingConfig, hooks: TrainingHooks, timings: RunTimings) -> None:
+    def __init__(
+        self,
+        config: TrainingConfig,
+        hooks: TrainingHooks,
+        timings: RunTimings,
+        resident: ResidentModel,
+    ) -> None:
         self.config = config
         self.spec = config.spec
         self.hooks = hooks
         self.timings = timings
+        self.resident = resident
+        self.compiled = False
+        self.compiled_cold = False
+        self.fell_back_to_eager = False
+        # The newest state known finite: where a compiled run that turns non-finite goes on
+        # from, eager.
+        self.last_good: TrainingSnapshot | None = None
         self.pending_stop: StopReason | None = None
         self.step = 0
         self.start_step = 0
@@ -255,7 +294,7 @@ class _Run:
         with _tracer.start_as_current_span(
             "training.load_model", attributes={"lorafleet.core.model": self.config.model_ref}
         ):
-            self.components = load_components(self.config, self.runtime)
+            self.components = self.resident.components_for(self.config, self.runtime)
         with _tracer.start_as_current_span("training.class_images"):
             prepared_class = self.class_images(supplied_class)
         if prepared_class is None:
@@ -295,27 +334,10 @@ class _Run:
         self.forward_loss: Callable[..., torch.Tensor] = (
             self._loss_from_token_ids if spec.train_text_encoder else self._forward_loss
         )
+        self.eager_forward_loss = self.forward_loss
         self.unet_forward = self.components.unet
-        if self.config.compile_model:
-            # Compiled on the first step (the warm-up: `timings.step_seconds[0]`). Noise,
-            # timesteps and latents are drawn outside, LoRA dropout masks inside, all from the
-            # run's generators; the modules stay the same objects: LoRA weights, checkpoints
-            # and the result are unchanged. What is compiled is what measured fastest
-            # (docs/BENCHMARKS.md, "Trainer"):
-            if spec.train_text_encoder:
-                # one graph from the prompt's token ids to the loss, so one backward graph
-                # through the encoders and the UNet (-10% a step against compiling each model);
-                install_output_hooks(self.components.text_encoders)
-                # dynamo checks its guards on the models' thousands of module attributes by one
-                # dict-version tag per unchanged module, not one by one, every step (set while
-                # compiling, when the guards are built; not process-wide).
-                self.forward_loss = torch._dynamo.config.patch(
-                    use_recursive_dict_tags_for_guards=True
-                )(torch.compile(self.forward_loss))
-            else:
-                # with the embeddings cached, the UNet alone (the whole loss as one graph was
-                # 15% slower a step).
-                self.unet_forward = torch.compile(self.components.unet)
+        if self.should_compile(resume):
+            self.compile_step()
         with _tracer.start_as_current_span("training.precompute") as span:
             self.precompute_conditioning()
             self.precompute_latents()
@@ -340,6 +362,96 @@ class _Run:
                 outcome = self.stopped()
             span.set_attribute("lorafleet.end_step", self.step)
             return outcome
+
+    def hand_back(self) -> None:
+        """The resident modules go back as they were loaded; the run's measurements are kept."""
+        components = getattr(self, "components", None)
+        if components is None:
+            return
+        try:
+            self.resident.release_run(components)
+        except Exception:
+            log.exception("the base model could not be restored after a run; dropped")
+        steps = self.timings.step_seconds
+        if self.config.compile_cache_dir is not None and not self.fell_back_to_eager:
+            CompileCosts(Path(self.config.compile_cache_dir)).record_run(
+                self.spec.compiled_shape_key, steps, compiled=self.compiled, cold=self.compiled_cold
+            )
+
+    def notice(self, message: str) -> None:
+        if self.hooks.on_notice is not None:
+            self.hooks.on_notice(message)
+
+    # Compiling ------------------------------------------------------------------------------------
+
+    def should_compile(self, resume: TrainingSnapshot | None) -> bool:
+        """The run's choice (compiling.py), said on the job's timeline unless it is fixed."""
+        choice = self.config.compile_choice
+        if choice == "off":
+            return False
+        shape = self.spec.compiled_shape_key
+        cache = self.config.compile_cache_dir
+        costs = CompileCosts(Path(cache) if cache is not None else None).get(shape)
+        start = resume.step if resume is not None else 0
+        decision = decide(
+            choice,
+            costs,
+            remaining_steps=self.spec.max_train_steps - start,
+            warm=self.resident.is_compiled(shape),
+        )
+        if choice == "auto":
+            self.notice(decision.reason)
+        return decision.compile
+
+    def compile_step(self) -> None:
+        """Compiled on the first step (the warm-up: `timings.step_seconds[0]`), or taken from the
+        resident model when a run of this shape compiled it before. Noise, timesteps and
+        latents are drawn outside, LoRA dropout masks inside, all from the run's generators;
+        the modules stay the same objects: LoRA weights, checkpoints and the result are
+        unchanged. The compiled code takes the modules as inputs (dynamo guards their types,
+        not their identity), so fresh adapters on the resident model reuse it. What is
+        compiled is what measured fastest (docs/BENCHMARKS.md, "Trainer")."""
+        if self.config.compile_cache_dir is not None:
+            use_cache_dir(Path(self.config.compile_cache_dir))
+        shape = self.spec.compiled_shape_key
+        self.compiled_cold = not self.resident.is_compiled(shape)
+        self.compiled = True
+        if self.spec.train_text_encoder:
+            # One graph from the prompt's token ids to the loss, so one backward graph through
+            # the encoders and the UNet (-10% a step against compiling each model);
+            install_output_hooks(self.components.text_encoders)
+            # dynamo checks its guards on the models' thousands of module attributes by one
+            # dict-version tag per unchanged module, not one by one, every step (set while
+            # compiling, when the guards are built; not process-wide).
+            step = self.resident.compiled(
+                shape,
+                lambda: torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True)(
+                    torch.compile(_Run._loss_from_token_ids)
+                ),
+            )
+            self.forward_loss = functools.partial(step, self)
+        else:
+            # with the embeddings cached, the UNet alone (the whole loss as one graph was
+            # 15% slower a step).
+            self.unet_forward = self.resident.compiled(
+                shape, lambda: torch.compile(self.components.unet)
+            )
+
+    def fall_back_to_eager(self, failure: TrainingFailure) -> None:
+        """A compiled run turned non-finite: the rest of the lease runs eager from the last
+        finite state, and the compiled step is not kept. Once: a non-finite eager run is the
+        node's fault."""
+        assert self.last_good is not None
+        self.resident.forget_compiled(self.spec.compiled_shape_key)
+        self.forward_loss = self.eager_forward_loss
+        self.unet_forward = self.components.unet
+        self.compiled = False
+        self.fell_back_to_eager = True
+        self.restore(self.last_good)
+        self.notice(
+            f"{failure}; the compiled step is dropped on this node and training goes on eager"
+            f" from step {self.last_good.step}"
+        )
 
     def stopped(self) -> Stopped:
         reason = self.pending_stop or "cancel"
@@ -514,6 +626,19 @@ class _Run:
     # Training ---------------------------------------------------------------------------------
 
     def train(self) -> TrainingOutcome:
+        """Trains to the end or a stop. A compiled run that turns non-finite goes on eager
+        from the last finite state, once (`fall_back_to_eager`)."""
+        if self.compiled:
+            self.last_good = self.snapshot()
+        while True:
+            try:
+                return self.train_steps()
+            except NonFinite as failure:
+                if not self.compiled:
+                    raise
+                self.fall_back_to_eager(failure)
+
+    def train_steps(self) -> TrainingOutcome:
         spec = self.spec
         hooks = self.hooks
         last_report = time.perf_counter()
@@ -557,6 +682,8 @@ class _Run:
                 ):
                     snapshot = self.snapshot()
                 self.timings.snapshot_seconds.append(time.perf_counter() - started)
+                if self.compiled:
+                    self.last_good = snapshot
                 hooks.on_checkpoint(snapshot)
         if self.step > self.start_step:
             self.last_loss = float(loss.item())
@@ -577,7 +704,7 @@ class _Run:
         out of `max_failures`)."""
         weights_finite = torch.stack([torch.isfinite(p).all() for p in self.params]).all()
         if bool(nonfinite_loss) or not bool(weights_finite):
-            raise TrainingFailure(
+            raise NonFinite(
                 FailureClass.NODE,
                 f"the {'loss' if bool(nonfinite_loss) else 'LoRA weights'} became non-finite"
                 f" (NaN or Inf) by step {self.step}; nothing of it was kept",

@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 from diffusers.training_utils import cast_training_params
+from diffusers.utils import peft_utils as _peft_utils
 from diffusers.utils import state_dict_utils as _state_dict_utils
 from peft import LoraConfig as _LoraConfig
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 
 from lorafleet.worker.training.base_model import Components
@@ -25,6 +27,7 @@ from lorafleet.worker.training.serialization import safetensors_bytes
 # Untyped in diffusers; peft types lora_alpha as int though it is a float scale numerator.
 convert_state_dict_to_diffusers: Any = _state_dict_utils.convert_state_dict_to_diffusers
 convert_state_dict_to_kohya: Any = _state_dict_utils.convert_state_dict_to_kohya
+recurse_remove_peft_layers: Any = _peft_utils.recurse_remove_peft_layers
 LoraConfig: Any = _LoraConfig
 
 UNET_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
@@ -67,6 +70,26 @@ def add_lora(
             trained[name] = encoder
     cast_training_params(list(trained.values()), dtype=torch.float32)
     return trained
+
+
+def remove_lora(components: Components) -> None:
+    """Takes every adapter off the UNet and the text encoders: each LoRA layer is replaced by
+    the base layer it wrapped (never merged: the base weights are untouched) and peft's
+    bookkeeping goes with it, so the modules are again those `load_components` made and the
+    next run's `add_lora` draws its initialisation exactly as on a freshly loaded model.
+    Raises RuntimeError if anything of an adapter is left (the caller drops the model then)."""
+    for module in (components.unet, components.text_encoder, components.text_encoder_2):
+        recurse_remove_peft_layers(module)
+        if hasattr(module, "peft_config"):
+            del module.peft_config
+        if hasattr(module, "_hf_peft_config_loaded"):
+            module._hf_peft_config_loaded = False
+        left = [name for name, m in module.named_modules() if isinstance(m, BaseTunerLayer)]
+        trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+        if left or trainable:
+            raise RuntimeError(
+                f"adapters left on {type(module).__name__}: {(left + trainable)[:3]}"
+            )
 
 
 def _config(

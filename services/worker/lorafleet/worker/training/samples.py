@@ -2,9 +2,9 @@
 
 A sample task brings the job's spec (base model, VAE, LoRA shape), the weights at one step (a
 lorafleet checkpoint or the result safetensors) and explicit settings (prompts, negative prompt,
-guidance, denoising steps, seed, size, images per prompt). `SamplePipelines` keeps the loaded
-base model between tasks: a task for the same base model, VAE and LoRA shape only overwrites
-the adapter weights, so a worker pays the load once per model, not once per task.
+guidance, denoising steps, seed, size, images per prompt). `SamplePipelines` makes them on the
+worker's resident base model, shared with its training runs: a task only attaches the job's
+adapters, so a worker pays the load once per base model, not once per task or lease.
 
 Images are seeded per image index (`seed + image_index`, CPU generators, independent of the
 device and of the prompt), so the images of step N are the same whichever worker makes them,
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import safetensors.torch
@@ -23,11 +22,12 @@ import torch
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from lorafleet.core.model import SampleSettings
-from lorafleet.worker.training.base_model import Components, load_components, sampling_pipeline
+from lorafleet.worker.training.base_model import Components, sampling_pipeline
 from lorafleet.worker.training.checkpoint import load_checkpoint
 from lorafleet.worker.training.config import Runtime, TrainingConfig, resolve_runtime
 from lorafleet.worker.training.failures import CorruptCheckpoint, input_fault
 from lorafleet.worker.training.lora import add_lora, convert_state_dict_to_diffusers
+from lorafleet.worker.training.resident import ResidentModel
 from lorafleet.worker.training.sampling import png_bytes
 
 
@@ -35,34 +35,19 @@ class SamplesStopped(Exception):
     """`should_stop` said so between two images (the task was revoked or the worker drains)."""
 
 
-@dataclass(frozen=True)
-class _PipelineKey:
-    model_ref: str
-    vae_ref: str | None
-    rank: int
-    alpha: float
-    train_text_encoder: bool
-    use_dora: bool
-
-
-@dataclass
-class _Loaded:
-    key: _PipelineKey
-    components: Components
-    runtime: Runtime
-    trained: dict[str, Any]
-    pipeline: Any
-
-
 class SamplePipelines:
-    """The loaded base pipeline, kept between sample tasks (one at a time: it runs on the
-    worker's training thread) and released when a training lease arrives (`release`, queued
-    on the same thread before the training run). `loads` counts base-model loads."""
+    """Sample tasks on the worker's resident base model (resident.py), one at a time (they run
+    on the worker's training thread): each attaches the job's adapters, makes its images and
+    takes them off again, so a task for a resident base model loads nothing. `loads` counts
+    base-model loads."""
 
-    def __init__(self) -> None:
-        self._loaded: _Loaded | None = None
+    def __init__(self, resident: ResidentModel | None = None) -> None:
+        self._resident = resident if resident is not None else ResidentModel()
         self._lock = threading.Lock()
-        self.loads = 0
+
+    @property
+    def loads(self) -> int:
+        return self._resident.loads
 
     def make(
         self,
@@ -78,79 +63,70 @@ class SamplePipelines:
 
         Raises `SamplesStopped` when `should_stop()` says so between images, and an input fault
         when the weights do not fit the job's LoRA shape."""
+        spec = config.spec
         with self._lock:
-            loaded = self._load(config)
-            _set_weights(loaded.trained, weights, weights_is_checkpoint)
-            out: list[tuple[int, int, bytes]] = []
-            modules = [loaded.components.unet, *loaded.components.text_encoders]
-            for module in modules:
-                module.eval()
-            devices = [loaded.runtime.device.index or 0] if loaded.runtime.is_cuda else []
-            with torch.random.fork_rng(devices=devices, device_type=loaded.runtime.device.type):
-                for prompt_index, prompt in enumerate(settings.prompts):
-                    for image_index in range(settings.images_per_prompt):
-                        if should_stop():
-                            raise SamplesStopped("stopped between images")
-                        generator = torch.Generator("cpu").manual_seed(settings.seed + image_index)
-                        with torch.no_grad():
-                            image = loaded.pipeline(
-                                prompt=prompt,
-                                negative_prompt=settings.negative_prompt or None,
-                                height=settings.resolution,
-                                width=settings.resolution,
-                                num_inference_steps=settings.inference_steps,
-                                guidance_scale=settings.guidance_scale,
-                                generator=generator,
-                            ).images[0]
-                        data = png_bytes(image)
-                        out.append((prompt_index, image_index, data))
-                        if on_image is not None:
-                            on_image(prompt_index, image_index, data)
-            return out
+            runtime = resolve_runtime(config)
+            components = self._resident.components_for(config, runtime)
+            try:
+                # The adapters' initial values are overwritten by the weights: drawn from a
+                # forked stream, never the process's.
+                with torch.random.fork_rng(devices=[], device_type="cpu"):
+                    trained = add_lora(
+                        components,
+                        rank=spec.lora_rank,
+                        alpha=spec.lora_alpha,
+                        train_text_encoder=spec.train_text_encoder,
+                        use_dora=spec.use_dora,
+                    )
+                for module in trained.values():
+                    module.requires_grad_(False)
+                _set_weights(trained, weights, weights_is_checkpoint)
+                return _images(
+                    components, runtime, settings, should_stop=should_stop, on_image=on_image
+                )
+            finally:
+                self._resident.release_run(components)
 
     def release(self) -> None:
-        """Drops the loaded model (a training lease needs the accelerator's memory)."""
+        """Drops the resident model (tests)."""
         with self._lock:
-            if self._loaded is None:
-                return
-            self._loaded = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            torch.cuda.empty_cache()
+            self._resident.release()
 
-    def _load(self, config: TrainingConfig) -> _Loaded:
-        spec = config.spec
-        key = _PipelineKey(
-            model_ref=config.model_ref,
-            vae_ref=config.vae_ref,
-            rank=spec.lora_rank,
-            alpha=spec.lora_alpha,
-            train_text_encoder=spec.train_text_encoder,
-            use_dora=spec.use_dora,
-        )
-        if self._loaded is not None and self._loaded.key == key:
-            return self._loaded
-        self._loaded = None  # the old model is dropped before the new one loads
-        runtime = resolve_runtime(config)
-        components = load_components(config, runtime)
-        with torch.random.fork_rng(devices=[], device_type="cpu"):
-            trained = add_lora(
-                components,
-                rank=spec.lora_rank,
-                alpha=spec.lora_alpha,
-                train_text_encoder=spec.train_text_encoder,
-                use_dora=spec.use_dora,
-            )
-        for module in trained.values():
-            module.requires_grad_(False)
-        self.loads += 1
-        self._loaded = _Loaded(
-            key=key,
-            components=components,
-            runtime=runtime,
-            trained=trained,
-            pipeline=sampling_pipeline(components),
-        )
-        return self._loaded
+
+def _images(
+    components: Components,
+    runtime: Runtime,
+    settings: SampleSettings,
+    *,
+    should_stop: Callable[[], bool],
+    on_image: Callable[[int, int, bytes], None] | None,
+) -> list[tuple[int, int, bytes]]:
+    pipeline = sampling_pipeline(components)
+    out: list[tuple[int, int, bytes]] = []
+    for module in (components.unet, *components.text_encoders):
+        module.eval()
+    devices = [runtime.device.index or 0] if runtime.is_cuda else []
+    with torch.random.fork_rng(devices=devices, device_type=runtime.device.type):
+        for prompt_index, prompt in enumerate(settings.prompts):
+            for image_index in range(settings.images_per_prompt):
+                if should_stop():
+                    raise SamplesStopped("stopped between images")
+                generator = torch.Generator("cpu").manual_seed(settings.seed + image_index)
+                with torch.no_grad():
+                    image = pipeline(
+                        prompt=prompt,
+                        negative_prompt=settings.negative_prompt or None,
+                        height=settings.resolution,
+                        width=settings.resolution,
+                        num_inference_steps=settings.inference_steps,
+                        guidance_scale=settings.guidance_scale,
+                        generator=generator,
+                    ).images[0]
+                data = png_bytes(image)
+                out.append((prompt_index, image_index, data))
+                if on_image is not None:
+                    on_image(prompt_index, image_index, data)
+    return out
 
 
 def _set_weights(trained: Mapping[str, Any], weights: bytes, is_checkpoint: bool) -> None:

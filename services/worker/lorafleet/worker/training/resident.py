@@ -1,0 +1,129 @@
+"""The base model a worker keeps loaded between runs, and the compiled steps made for it.
+
+Loading SDXL's frozen components takes seconds to minutes a lease, and compiling the step
+minutes more; a worker pays both once and keeps them (`ResidentModel`, one per worker, used
+on its training thread by training runs and sample tasks alike). What it keeps is only what no
+job changes: the frozen UNet, VAE, text encoders and tokenizers of one base model in one
+precision (`JobSpec.resident_key`), and the compiled step of each shape it ran compiled
+(`JobSpec.compiled_shape_key`). Everything of a job lives on its run and goes with it:
+
+* a run attaches fresh adapters to the resident modules and `release_run` takes them off again
+  (never merged, so the base weights stay bit-identical to freshly loaded ones), with
+  gradient checkpointing turned off and eval mode back on;
+* each run gets its own noise scheduler, built from the base model's scheduler config;
+* optimizer, generators, cached embeddings and latents, images: the run's own objects.
+
+So a job trains the same bits on a worker that trained other jobs before as on a fresh one.
+A run that cannot put the modules back as they were drops the whole set (the next run loads it
+again), and a run of another base model or precision drops it before loading its own: a worker
+never holds two base models, whatever its memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import diffusers as _diffusers
+import torch
+
+from lorafleet.worker.training.base_model import Components, load_components
+from lorafleet.worker.training.config import Runtime, TrainingConfig
+from lorafleet.worker.training.lora import remove_lora
+
+diffusers: Any = _diffusers
+
+
+@dataclass
+class _Held:
+    key: str
+    components: Components
+    # The compiled step of each shape compiled on these modules.
+    compiled: dict[str, Callable[..., Any]]
+
+
+class ResidentModel:
+    """One worker's resident base model (see the module docstring). Not thread-safe: used
+    from the worker's one training thread. `key` and `compiled_shapes` may be read from any
+    thread (what the worker announces in Ready)."""
+
+    def __init__(self) -> None:
+        self._held: _Held | None = None
+        # Base-model loads so far (tests and metrics: a warm run adds none).
+        self.loads = 0
+
+    @property
+    def key(self) -> str | None:
+        """The resident base model's `JobSpec.resident_key`; None when none is loaded."""
+        held = self._held
+        return held.key if held is not None else None
+
+    @property
+    def compiled_shapes(self) -> tuple[str, ...]:
+        held = self._held
+        return tuple(sorted(held.compiled)) if held is not None else ()
+
+    def components_for(self, config: TrainingConfig, runtime: Runtime) -> Components:
+        """The frozen components for `config`'s base model and precision, loaded now unless
+        they are resident. The noise scheduler is the run's own (a fresh one each call)."""
+        key = config.spec.resident_key
+        if self._held is None or self._held.key != key:
+            self.release()
+            self._held = _Held(key=key, components=load_components(config, runtime), compiled={})
+            self.loads += 1
+        components = self._held.components
+        scheduler = components.noise_scheduler
+        return dataclasses.replace(
+            components, noise_scheduler=type(scheduler).from_config(scheduler.config)
+        )
+
+    def compiled(
+        self, shape_key: str, build: Callable[[], Callable[..., Any]]
+    ) -> Callable[..., Any]:
+        """The compiled step kept for `shape_key`, made by `build()` the first time."""
+        assert self._held is not None, "components_for comes first"
+        step = self._held.compiled.get(shape_key)
+        if step is None:
+            step = self._held.compiled[shape_key] = build()
+        return step
+
+    def is_compiled(self, shape_key: str) -> bool:
+        return self._held is not None and shape_key in self._held.compiled
+
+    def forget_compiled(self, shape_key: str) -> None:
+        """A compiled step that misbehaved is not kept (nor announced)."""
+        if self._held is not None:
+            self._held.compiled.pop(shape_key, None)
+
+    def release_run(self, components: Components) -> None:
+        """Puts the resident modules back as they were loaded after a run or a sample task:
+        adapters off, gradient checkpointing off, eval mode. Drops the whole set if that
+        fails."""
+        if self._held is None or components.unet is not self._held.components.unet:
+            return
+        try:
+            # Checkpointing first: turning it off on an encoder that still has its adapter also
+            # removes the input-grad hook transformers added for it.
+            if components.unet.is_gradient_checkpointing:
+                components.unet.disable_gradient_checkpointing()
+            for encoder in components.text_encoders:
+                if encoder.is_activation_checkpointing:
+                    encoder.activation_checkpointing_disable()
+            remove_lora(components)
+            for module in (components.unet, components.vae, *components.text_encoders):
+                module.eval()
+        except Exception:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Drops the resident set and its compiled steps, and gives their memory back."""
+        if self._held is None:
+            return
+        self._held = None
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            torch.cuda.empty_cache()

@@ -1,0 +1,65 @@
+"""A warm worker: the base model stays loaded between leases, and a job trains the same bits on
+a worker that trained other owners' jobs before as on a fresh one (real agents, the real
+scheduler, the tiny model on the CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lorafleet.core.model import upload_key
+from lorafleet.core.serde import spec_from_proto
+from lorafleet.jobs.v1 import jobs_pb2 as pb
+from lorafleet.worker.agent import Agent, State
+from lorafleet.worker.qualify import QualificationResult
+from tests.support.fleet import NUM_IMAGES, Fleet, running
+from tests.support.images import png
+from tests.support.jobs import PREFIX
+from tests.support.jobs import TRAINING_WAIT_S as WAIT_S
+
+pytestmark = pytest.mark.slow
+
+SUCCEEDED = pb.JOB_STATE_SUCCEEDED
+# The job compared: its result must not depend on what its worker did before.
+JOB_A = dict(max_train_steps=3, checkpointing_steps=2, seed=21, lora_dropout=0.1)
+
+
+async def test_a_job_trains_the_same_bits_on_a_fresh_worker_and_a_warm_one(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    for i in range(NUM_IMAGES):
+        await fleet.scheduler.storage.put_bytes(upload_key("bob", PREFIX, f"{i}.png"), png(i))
+
+    fresh = Agent(fleet.worker_config("fresh"), qualification=cpu_qualification)
+    async with running(fresh):
+        cold = await fleet.alice.submit(**JOB_A)
+        cold_done = await fleet.alice.wait_state(cold.job_id, SUCCEEDED)
+
+    warm = Agent(fleet.worker_config("warm"), qualification=cpu_qualification)
+    async with running(warm):
+        # Another owner's job of another rank and seed, training its text encoders with
+        # gradient checkpointing; then another of alice's; then the job.
+        other = await fleet.bob.submit(
+            lora_rank=8,
+            seed=3,
+            max_train_steps=2,
+            train_text_encoder=True,
+            gradient_checkpointing=True,
+        )
+        await fleet.bob.wait_state(other.job_id, SUCCEEDED)
+        second = await fleet.alice.submit(seed=5, max_train_steps=2, use_dora=True)
+        await fleet.alice.wait_state(second.job_id, SUCCEEDED)
+        again = await fleet.alice.submit(**JOB_A)
+        warm_done = await fleet.alice.wait_state(again.job_id, SUCCEEDED)
+        async with asyncio.timeout(WAIT_S):
+            await warm.wait_until(lambda a: a.state is State.IDLE and not a.busy)
+        assert warm.resident.loads == 1  # three leases, one load
+        announced = warm.warm_state()
+        assert announced.resident == spec_from_proto(again.spec).resident_key
+        assert list(announced.compiled_shapes) == []  # nothing compiled: short jobs run eager
+
+    assert warm_done.result.sha256 == cold_done.result.sha256
+    # The runs said on their timelines why they did not compile.
+    notices = [e.message for e in await fleet.alice.events(again.job_id) if e.message]
+    assert any("compile_model auto: eager" in n and "prior" in n for n in notices), notices
