@@ -42,6 +42,7 @@ from lorafleet.core.model import (
     SampleSettings,
     SampleTask,
     StoredImage,
+    WarmState,
 )
 from lorafleet.core.spec import JobSpec
 
@@ -563,6 +564,8 @@ class Ledger:
                 [dict(j.spec.labels) for j in jobs],
                 [j.traceparent for j in jobs],
                 api_key_id,
+                [j.spec.resident_key for j in jobs],
+                [j.spec.compiled_shape_key for j in jobs],
             )
             by_id = {str(r["job_id"]): job_from_row(r) for r in rows}
             by_key: dict[str, Job] = {}
@@ -573,6 +576,21 @@ class Ledger:
                 for r in await conn.fetch(QUERIES["get_jobs_by_idempotency_key"], owner, reused):
                     by_key[r["idempotency_key"]] = job_from_row(r)
         return [by_id.get(j.job_id) or by_key[j.idempotency_key] for j in jobs]
+
+    async def fill_warm_keys(self, batch: int = 1000) -> int:
+        """Computes the warm keys of unfinished jobs submitted before the ledger had them
+        (0016), from the one definition (JobSpec); returns how many it filled."""
+        filled = 0
+        while rows := await self._fetch("jobs_without_warm_keys", batch):
+            specs = [(r["job_id"], JobSpec.from_dict(r["spec"])) for r in rows]
+            await self._fetch(
+                "set_warm_keys",
+                [job_id for job_id, _ in specs],
+                [spec.resident_key for _, spec in specs],
+                [spec.compiled_shape_key for _, spec in specs],
+            )
+            filled += len(rows)
+        return filled
 
     async def get_job(self, job_id: str, owner: str) -> Job | None:
         row = await self._fetchrow("get_job", uuid.UUID(job_id), owner)
@@ -614,11 +632,20 @@ class Ledger:
     # Leases (the worker stream) ---------------------------------------------------------------
 
     async def claim_job(
-        self, machine_id: str, vram_mb: int, lease_ttl_s: float, *, secret_sha256: bytes
+        self,
+        machine_id: str,
+        vram_mb: int,
+        lease_ttl_s: float,
+        *,
+        secret_sha256: bytes,
+        warm: WarmState | None = None,
+        warm_bound_s: float = 0.0,
     ) -> Job | None:
         """Grants the best claimable job a new lease whose secret has this digest; nothing to
-        a quarantined machine (`self.quarantine`)."""
+        a quarantined machine (`self.quarantine`). Prefers a job the worker is `warm` for,
+        unless a job has waited `warm_bound_s` (0: strict queue order)."""
         q = self.quarantine
+        warm = warm or WarmState()
         row = await self._fetchrow(
             "claim_job",
             machine_id,
@@ -628,6 +655,9 @@ class Ledger:
             secret_sha256,
             q.threshold,
             q.window_s,
+            warm.resident,
+            list(warm.compiled_shapes),
+            warm_bound_s,
         )
         return None if row is None else job_from_row(row)
 

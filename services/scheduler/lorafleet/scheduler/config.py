@@ -134,6 +134,14 @@ class SchedulerConfig(ServiceSettings):
         le=7 * 86400.0,
         description="seconds a node fault counts toward quarantine (the scaler's --fault-window-s)",
     )
+    warm_dispatch_bound_s: float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description="a worker is offered a queued job it holds warm (the same compiled shape,"
+        " else the same base model) before older ones, but no job waits more than this many"
+        " seconds longer than strict queue order would make it; 0: strict queue order",
+    )
     checkpoint_retention: int = Field(
         3, ge=1, le=1000, description="checkpoints kept per running job (newest first)"
     )

@@ -8,6 +8,11 @@ whenever the ledger NOTIFYs that a job became claimable (and every `dispatch_int
 When the ledger ends a lease (cancel, expiry, a newer epoch) it NOTIFYs too, and the session
 delivering it sends `LeaseRevoked` (`_on_lease_ended` → `revoke`).
 
+Warm dispatch: a worker's Ready says what it holds from earlier leases (its resident base model,
+its compiled step shapes; `WorkerSession.ready`), and `claim_job` prefers a queued job that
+matches, after re-queued jobs and priority, unless a job has waited `warm_dispatch_bound_s`: then
+strict queue order. The claim is unverified and moves only which claimable job that worker gets.
+
 Sample tasks (a job's validation images, made on the fleet and never inside a training run) are
 leases of their own kind on the same stream:
 
@@ -122,8 +127,10 @@ class Dispatcher:
         notifications: Notifications,
         lease_ttl_s: float,
         dispatch_interval_s: float,
+        warm_dispatch_bound_s: float = 0.0,
     ) -> None:
         self._ledger = ledger
+        self._warm_dispatch_bound_s = warm_dispatch_bound_s
         self._signer = signer
         self._sessions = sessions
         self._background = background
@@ -204,6 +211,8 @@ class Dispatcher:
                 session.machine.vram_mb,
                 self._lease_ttl_s,
                 secret_sha256=digest(lease_secret),
+                warm=session.ready.warm,
+                warm_bound_s=self._warm_dispatch_bound_s,
             )
             if job is None or job.lease_id is None:
                 return await self._offer_sample_task(session, lease_secret)

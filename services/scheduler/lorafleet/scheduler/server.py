@@ -164,6 +164,8 @@ class Scheduler(AsyncLifecycle):
                 threshold=cfg.quarantine_fault_threshold, window_s=cfg.quarantine_window_s
             ),
         )
+        if filled := await self._ledger.fill_warm_keys():
+            log.info("warm keys computed for jobs submitted before warm dispatch", jobs=filled)
         self._storage = self._make_storage()
         await self._storage.start()
         self._notifications = Notifications(self.database_url)
@@ -223,6 +225,7 @@ class Scheduler(AsyncLifecycle):
             notifications=self._notifications,
             lease_ttl_s=cfg.lease_ttl_s,
             dispatch_interval_s=cfg.dispatch_interval_s,
+            warm_dispatch_bound_s=cfg.warm_dispatch_bound_s,
         )
         self._worker_handler = WorkerHandler(
             ledger=self._ledger,
