@@ -225,6 +225,15 @@ class NodeRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Interruptions:
+    """Leases of one node class ended by expiry or drain over a window, and the lease-seconds
+    held (provider-verified machines only)."""
+
+    interruptions: int
+    lease_seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class PaceRecord:
     """One lease's pace as the scheduler observed it (steps between the first and the last
     verified checkpoint over the ledger's clock; None with fewer than two), beside what its
@@ -528,6 +537,11 @@ class Ledger:
         )
         assert row is not None
         return ShapePace(machines=row["machines"], seconds_per_step=row["seconds_per_step"])
+
+    async def interruptions_for_gpu(self, gpu_model: str, *, window_s: float) -> Interruptions:
+        row = await self._fetchrow("interruptions_for_gpu", window_s, gpu_model)
+        assert row is not None
+        return Interruptions(interruptions=row["interruptions"], lease_seconds=row["lease_seconds"])
 
     async def revoke_api_key(self, key_id: str) -> bool:
         return await self._fetchrow("revoke_api_key", key_id) is not None

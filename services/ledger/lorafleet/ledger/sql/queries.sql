@@ -64,6 +64,18 @@ SELECT count(*) AS machines,
            AS seconds_per_step
 FROM per_machine;
 
+-- name: interruptions_for_gpu
+-- How often leases on one node class ($2 gpu_model) were interrupted over the last $1 s:
+-- leases ended by expiry (the scheduler's own clock) or drain (a preemption notice, a SIGTERM),
+-- against the seconds leases were held (running ones so far). Machines a provider vouched for
+-- only: a self-declared machine moves no one's checkpoint interval.
+SELECT count(*) FILTER (WHERE l.end_reason IN ('expired', 'drained')) AS interruptions,
+       coalesce(sum(extract(epoch FROM coalesce(l.ended_at, now()) - l.granted_at)), 0)::float8
+           AS lease_seconds
+FROM leases l JOIN machines m ON m.machine_id = l.machine_id
+WHERE m.gpu_model = $2 AND m.identity_provider <> ''
+  AND l.granted_at > now() - make_interval(secs => $1);
+
 -- name: get_api_key
 SELECT key_id, owner, secret_sha256 FROM api_keys WHERE key_id = $1 AND revoked_at IS NULL;
 
