@@ -805,3 +805,29 @@ async def test_output_format_both_stores_and_records_both_files(fleet: Fleet) ->
         assert record.key.endswith("/result/e1/" + RESULT_FILE_NAMES[fmt])
         prefix = "unet." if fmt == "diffusers" else "lora_unet_"
         assert all(k.startswith(prefix) for k in safetensors.torch.load(data))
+
+
+async def test_the_worker_reports_its_checkpoint_cost_for_its_next_automatic_interval(
+    fleet: Fleet,
+) -> None:
+    """A real worker measures its checkpoint (stall plus upload) and says so in its next
+    Ready: the automatic interval of its next lease rests on that figure, not the prior."""
+    agent = Agent(fleet.worker_config("m1"))
+    async with running(agent):
+        first = await fleet.client.submit(max_train_steps=4, checkpointing_steps=0)
+        await fleet.client.wait_state(first.job_id, pb.JOB_STATE_SUCCEEDED)
+        (fresh,) = [
+            e.message for e in await fleet.client.events(first.job_id) if "auto" in e.message
+        ]
+        assert "(prior)" in fresh and "every 4 steps" in fresh  # bounded by max_train_steps
+        checkpointed = await fleet.client.submit(max_train_steps=4, checkpointing_steps=2)
+        await fleet.client.wait_state(checkpointed.job_id, pb.JOB_STATE_SUCCEEDED)
+        runner = agent.recent_leases[-1]
+        assert isinstance(runner, LeaseRunner) and runner.checkpoint_cost_s is not None
+        after = await fleet.client.submit(max_train_steps=4, checkpointing_steps=0)
+        await fleet.client.wait_state(after.job_id, pb.JOB_STATE_SUCCEEDED)
+    (measured,) = [
+        e.message for e in await fleet.client.events(after.job_id) if "auto" in e.message
+    ]
+    assert "reported by the worker" in measured
+    assert f"checkpoint cost {runner.checkpoint_cost_s:.3g} s" in measured

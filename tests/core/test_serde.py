@@ -148,7 +148,6 @@ _REFUSED_ZEROS = (
     "resolution",
     "lora_rank",
     "lora_alpha",
-    "checkpointing_steps",
     "max_failures",
     "adam_epsilon",
     "max_grad_norm",

@@ -29,6 +29,7 @@ from lorafleet.core.model import (
     SampleSettings,
     SampleTask,
     StoredImage,
+    WarmState,
     checkpoint_key,
     class_image_key,
     result_formats,
@@ -467,6 +468,50 @@ def heartbeat_from_proto(hb: fpb.Heartbeat) -> HeartbeatReport:
         loss=finite_or_none(hb.loss),
         learning_rate=finite_or_none(hb.learning_rate),
         seconds_per_step=finite_or_none(hb.seconds_per_step),
+    )
+
+
+# What a worker may say it holds (Ready.warm): enough for a node that compiled each shape its
+# jobs train, small enough that matching it stays a cheap array test in the claim.
+MAX_WARM_SHAPES = 16
+MAX_WARM_KEY_CHARS = 512
+# A checkpoint that takes longer than an hour to stall and upload is no figure to plan by.
+MAX_CHECKPOINT_COST_S = 3600.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadyReport:
+    warm: WarmState
+    checkpoint_cost_s: float | None  # None: not measured yet
+
+
+def _warm_key(value: str, field: str) -> str:
+    if len(value) > MAX_WARM_KEY_CHARS:
+        raise InvalidArgument(field, f"at most {MAX_WARM_KEY_CHARS} characters")
+    if "\x00" in value:
+        raise InvalidArgument(field, "must not contain NUL characters")
+    return value
+
+
+def ready_from_proto(msg: fpb.Ready) -> ReadyReport:
+    shapes = msg.warm.compiled_shapes
+    if len(shapes) > MAX_WARM_SHAPES:
+        raise InvalidArgument("ready.warm.compiled_shapes", f"at most {MAX_WARM_SHAPES} shapes")
+    cost = msg.checkpoint_cost_s
+    if not math.isfinite(cost) or not 0 <= cost <= MAX_CHECKPOINT_COST_S:
+        raise InvalidArgument(
+            "ready.checkpoint_cost_s", f"must be between 0 and {MAX_CHECKPOINT_COST_S:g} seconds"
+        )
+    return ReadyReport(
+        warm=WarmState(
+            resident=_warm_key(msg.warm.resident, "ready.warm.resident"),
+            compiled_shapes=tuple(
+                dict.fromkeys(
+                    _warm_key(s, f"ready.warm.compiled_shapes[{i}]") for i, s in enumerate(shapes)
+                )
+            ),
+        ),
+        checkpoint_cost_s=cost or None,
     )
 
 

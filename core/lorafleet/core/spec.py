@@ -50,6 +50,10 @@ _LABEL_KEY = re.compile(r"[a-z0-9_.\-]{1,63}")
 # Storage prefixes and file names: plain relative paths, no "." or ".." segments.
 _PATH_SEGMENT = re.compile(r"[A-Za-z0-9_.\-]{1,255}")
 
+# checkpointing_steps 0: the scheduler chooses each lease's interval (scheduler's
+# checkpoint_interval.py) and the grant carries it; a worker never trains with 0.
+CHECKPOINTING_AUTO = 0
+
 # Revisions of the spec's field set, a field's `since`. 1: the fields of the first checkpoint
 # format. 2: the optimizer choice and Prodigy, DoRA, LoRA dropout, repeats, aspect-ratio
 # bucketing, output formats and the sample tasks' validation settings. 3: scale_lr.
@@ -307,10 +311,11 @@ class JobSpec:
         trains=True,
     )
     checkpointing_steps: int = spec_field(
-        default=100,
-        help="steps between checkpoints",
+        default=CHECKPOINTING_AUTO,
+        help="steps between checkpoints; 0: auto, chosen per lease from the node's checkpoint"
+        " cost and its GPU class's interruption rate (Young-Daly)",
         trains=False,
-        low=1,
+        low=0,
         high=MAX_TRAIN_STEPS,
     )
     validation_prompt: str = spec_field(

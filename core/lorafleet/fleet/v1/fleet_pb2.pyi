@@ -329,6 +329,12 @@ class Ready(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WARM_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_COST_S_FIELD_NUMBER: _builtins.int
+    checkpoint_cost_s: _builtins.float
+    """Seconds the worker's latest checkpoint cost it (training stalled plus upload); 0: none
+    measured yet. With checkpointing_steps auto it sets the interval of this worker's next lease
+    only (the scheduler's prior where 0): a worker that misstates it changes its own interval.
+    """
     @_builtins.property
     def warm(self) -> Global___WarmState:
         """What this worker holds from earlier leases; the dispatcher prefers a queued job that
@@ -340,10 +346,11 @@ class Ready(_message.Message):
         self,
         *,
         warm: Global___WarmState | None = ...,
+        checkpoint_cost_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["warm", b"warm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["warm", b"warm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_cost_s", b"checkpoint_cost_s", "warm", b"warm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

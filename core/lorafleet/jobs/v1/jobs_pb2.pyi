@@ -446,7 +446,9 @@ class JobSpec(_message.Message):
     """0 turns it off."""
     caption_mode: Global___CaptionMode.ValueType
     checkpointing_steps: _builtins.int
-    """Steps between checkpoints; default 100."""
+    """Steps between checkpoints; unset or 0: auto (the scheduler picks the interval per lease from
+    the node's checkpoint cost and its class's interruption rate).
+    """
     validation_prompt: _builtins.str
     validation_steps: _builtins.int
     """Steps between validation images; 0 means only at the end when a prompt is set."""

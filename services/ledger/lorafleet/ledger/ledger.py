@@ -42,6 +42,7 @@ from lorafleet.core.model import (
     SampleSettings,
     SampleTask,
     StoredImage,
+    WarmState,
 )
 from lorafleet.core.spec import JobSpec
 
@@ -221,6 +222,15 @@ class NodeRecord:
     # When its node faults within the asked window happened (epoch seconds, newest first).
     recent_fault_times: tuple[float, ...]
     jobs_finished: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Interruptions:
+    """Leases of one node class ended by expiry or drain over a window, and the lease-seconds
+    held (provider-verified machines only)."""
+
+    interruptions: int
+    lease_seconds: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -528,6 +538,11 @@ class Ledger:
         assert row is not None
         return ShapePace(machines=row["machines"], seconds_per_step=row["seconds_per_step"])
 
+    async def interruptions_for_gpu(self, gpu_model: str, *, window_s: float) -> Interruptions:
+        row = await self._fetchrow("interruptions_for_gpu", window_s, gpu_model)
+        assert row is not None
+        return Interruptions(interruptions=row["interruptions"], lease_seconds=row["lease_seconds"])
+
     async def revoke_api_key(self, key_id: str) -> bool:
         return await self._fetchrow("revoke_api_key", key_id) is not None
 
@@ -563,6 +578,8 @@ class Ledger:
                 [dict(j.spec.labels) for j in jobs],
                 [j.traceparent for j in jobs],
                 api_key_id,
+                [j.spec.resident_key for j in jobs],
+                [j.spec.compiled_shape_key for j in jobs],
             )
             by_id = {str(r["job_id"]): job_from_row(r) for r in rows}
             by_key: dict[str, Job] = {}
@@ -573,6 +590,21 @@ class Ledger:
                 for r in await conn.fetch(QUERIES["get_jobs_by_idempotency_key"], owner, reused):
                     by_key[r["idempotency_key"]] = job_from_row(r)
         return [by_id.get(j.job_id) or by_key[j.idempotency_key] for j in jobs]
+
+    async def fill_warm_keys(self, batch: int = 1000) -> int:
+        """Computes the warm keys of unfinished jobs submitted before the ledger had them
+        (0016), from the one definition (JobSpec); returns how many it filled."""
+        filled = 0
+        while rows := await self._fetch("jobs_without_warm_keys", batch):
+            specs = [(r["job_id"], JobSpec.from_dict(r["spec"])) for r in rows]
+            await self._fetch(
+                "set_warm_keys",
+                [job_id for job_id, _ in specs],
+                [spec.resident_key for _, spec in specs],
+                [spec.compiled_shape_key for _, spec in specs],
+            )
+            filled += len(rows)
+        return filled
 
     async def get_job(self, job_id: str, owner: str) -> Job | None:
         row = await self._fetchrow("get_job", uuid.UUID(job_id), owner)
@@ -614,11 +646,20 @@ class Ledger:
     # Leases (the worker stream) ---------------------------------------------------------------
 
     async def claim_job(
-        self, machine_id: str, vram_mb: int, lease_ttl_s: float, *, secret_sha256: bytes
+        self,
+        machine_id: str,
+        vram_mb: int,
+        lease_ttl_s: float,
+        *,
+        secret_sha256: bytes,
+        warm: WarmState | None = None,
+        warm_bound_s: float = 0.0,
     ) -> Job | None:
         """Grants the best claimable job a new lease whose secret has this digest; nothing to
-        a quarantined machine (`self.quarantine`)."""
+        a quarantined machine (`self.quarantine`). Prefers a job the worker is `warm` for,
+        unless a job has waited `warm_bound_s` (0: strict queue order)."""
         q = self.quarantine
+        warm = warm or WarmState()
         row = await self._fetchrow(
             "claim_job",
             machine_id,
@@ -628,6 +669,9 @@ class Ledger:
             secret_sha256,
             q.threshold,
             q.window_s,
+            warm.resident,
+            list(warm.compiled_shapes),
+            warm_bound_s,
         )
         return None if row is None else job_from_row(row)
 

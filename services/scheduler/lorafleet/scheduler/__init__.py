@@ -28,11 +28,13 @@ Where a worker connects.
 Where a lease is granted.
     `Dispatcher.offer`, for one idle session: `Ledger.claim_job` (the `claim_job` query in
     `ledger/sql/queries.sql`: one statement, `FOR UPDATE SKIP LOCKED`, jobs with progress
-    first, bans respected) makes the lease; `UrlSigner.lease_urls` signs its URLs; `LeaseGranted` is
-    sent. With no training job to claim, `Dispatcher._offer_sample_task` grants a sample task
-    instead. `offer` runs when a worker says Ready (`WorkerHandler.ready`) and in every
-    dispatch round (`Dispatcher.run` → `_dispatch_round`), which the ledger's NOTIFY on
-    `lorafleet_work` wakes on every replica.
+    first, bans respected; among jobs of one class, those the worker's Ready says it holds
+    warm, within `warm_dispatch_bound_s`) makes the lease; `UrlSigner.lease_urls` signs its
+    URLs; `checkpoint_interval.CheckpointIntervals` chooses its interval where the job's
+    `checkpointing_steps` is auto (0); `LeaseGranted` is sent. With no training job to
+    claim, `Dispatcher._offer_sample_task` grants a sample task instead. `offer` runs when a
+    worker says Ready (`WorkerHandler.ready`) and in every dispatch round (`Dispatcher.run` →
+    `_dispatch_round`), which the ledger's NOTIFY on `lorafleet_work` wakes on every replica.
 
 Where a checkpoint goes from the stream into the ledger.
     In the worker, the training loop's `on_checkpoint` hook hands a snapshot to

@@ -134,6 +134,43 @@ class SchedulerConfig(ServiceSettings):
         le=7 * 86400.0,
         description="seconds a node fault counts toward quarantine (the scaler's --fault-window-s)",
     )
+    warm_dispatch_bound_s: float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description="a worker is offered a queued job it holds warm (the same compiled shape,"
+        " else the same base model) before older ones, but no job waits more than this many"
+        " seconds longer than strict queue order would make it; 0: strict queue order",
+    )
+    # checkpointing_steps auto (checkpoint_interval.py): Young-Daly, sqrt(2 x cost x mean time
+    # between interruptions), in steps at the fleet's pace on the job's shape.
+    checkpoint_cost_prior_s: float = Field(
+        20.0,
+        gt=0,
+        le=3600,
+        description="checkpoint cost (training stall plus upload, seconds) assumed for a worker"
+        " that has measured none yet (workers report their own in Ready)",
+    )
+    interruption_prior_s: float = Field(
+        4 * 3600.0,
+        gt=0,
+        le=365 * 86400.0,
+        description="mean lease-seconds between interruptions (expiry, drain) assumed for a GPU"
+        " class with little history; weighs as one interruption beside the ledger's counts",
+    )
+    interruption_window_s: float = Field(
+        7 * 86400.0,
+        gt=0,
+        le=365 * 86400.0,
+        description="how far back the ledger's interruptions and lease-hours per GPU class count",
+    )
+    checkpoint_min_steps: int = Field(
+        10,
+        ge=1,
+        le=100_000,
+        description="the shortest automatic checkpoint interval, in steps (the longest is the"
+        " job's max_train_steps)",
+    )
     checkpoint_retention: int = Field(
         3, ge=1, le=1000, description="checkpoints kept per running job (newest first)"
     )

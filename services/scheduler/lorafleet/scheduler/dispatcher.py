@@ -8,6 +8,11 @@ whenever the ledger NOTIFYs that a job became claimable (and every `dispatch_int
 When the ledger ends a lease (cancel, expiry, a newer epoch) it NOTIFYs too, and the session
 delivering it sends `LeaseRevoked` (`_on_lease_ended` → `revoke`).
 
+Warm dispatch: a worker's Ready says what it holds from earlier leases (its resident base model,
+its compiled step shapes; `WorkerSession.ready`), and `claim_job` prefers a queued job that
+matches, after re-queued jobs and priority, unless a job has waited `warm_dispatch_bound_s`: then
+strict queue order. The claim is unverified and moves only which claimable job that worker gets.
+
 Sample tasks (a job's validation images, made on the fleet and never inside a training run) are
 leases of their own kind on the same stream:
 
@@ -38,6 +43,7 @@ leases of their own kind on the same stream:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import secrets
 import time
@@ -51,10 +57,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from lorafleet.core.errors import is_retryable
 from lorafleet.core.model import Job, JobState
 from lorafleet.core.serde import sample_settings_to_proto, spec_to_proto, timestamp
+from lorafleet.core.spec import CHECKPOINTING_AUTO, JobSpec
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler import metrics
 from lorafleet.scheduler.background import BackgroundTasks
+from lorafleet.scheduler.checkpoint_interval import CheckpointIntervals
 from lorafleet.scheduler.notifications import LEASE_ENDED, WORK, Notifications
 from lorafleet.scheduler.sessions import ActiveLease, SessionState, WorkerSession, WorkerSessions
 from lorafleet.scheduler.signing import UrlSigner
@@ -122,8 +130,12 @@ class Dispatcher:
         notifications: Notifications,
         lease_ttl_s: float,
         dispatch_interval_s: float,
+        warm_dispatch_bound_s: float = 0.0,
+        checkpoint_intervals: CheckpointIntervals | None = None,
     ) -> None:
         self._ledger = ledger
+        self._warm_dispatch_bound_s = warm_dispatch_bound_s
+        self._intervals = checkpoint_intervals
         self._signer = signer
         self._sessions = sessions
         self._background = background
@@ -204,6 +216,8 @@ class Dispatcher:
                 session.machine.vram_mb,
                 self._lease_ttl_s,
                 secret_sha256=digest(lease_secret),
+                warm=session.ready.warm,
+                warm_bound_s=self._warm_dispatch_bound_s,
             )
             if job is None or job.lease_id is None:
                 return await self._offer_sample_task(session, lease_secret)
@@ -236,6 +250,13 @@ class Dispatcher:
                     self._grant_abandoned(session, lease)
                     await self._ledger.drain_lease(job.lease_id, job.epoch, "storage unavailable")
                     return False
+                try:
+                    worker_spec = await self._worker_spec(job, session)
+                except Exception:
+                    log.exception("could not choose the checkpoint interval", job_id=job.job_id)
+                    self._grant_abandoned(session, lease)
+                    await self._ledger.drain_lease(job.lease_id, job.epoch, "ledger unavailable")
+                    return False
                 if session.lease is not lease or session.state is not SessionState.LEASED:
                     span.set_attribute("lorafleet.refused", True)
                     if self._grant_abandoned(session, lease):
@@ -249,7 +270,7 @@ class Dispatcher:
                     fpb.ConnectResponse(
                         lease_granted=fpb.LeaseGranted(
                             lease=lease_proto(job, self._lease_ttl_s),
-                            spec=spec_to_proto(job.spec.for_worker()),
+                            spec=spec_to_proto(worker_spec),
                             urls=urls,
                             traceparent=lease.traceparent,
                             lease_secret=lease_secret,
@@ -268,6 +289,23 @@ class Dispatcher:
             return True
         finally:
             session.claiming = False
+
+    async def _worker_spec(self, job: Job, session: WorkerSession) -> JobSpec:
+        """The spec the grant carries: the worker's view (`JobSpec.for_worker`), with an
+        automatic checkpoint interval chosen for this lease and put on the job's timeline."""
+        spec = job.spec.for_worker()
+        if spec.checkpointing_steps != CHECKPOINTING_AUTO or self._intervals is None:
+            return spec
+        assert job.lease_id is not None
+        interval = await self._intervals.choose(
+            spec,
+            gpu_model=session.machine.gpu_model,
+            reported_cost_s=session.ready.checkpoint_cost_s,
+        )
+        await self._ledger.record_notice(
+            job.lease_id, job.epoch, interval.describe(session.machine.gpu_model)
+        )
+        return dataclasses.replace(spec, checkpointing_steps=interval.steps)
 
     def _grant_abandoned(self, session: WorkerSession, lease: ActiveLease) -> bool:
         """A grant being prepared for `session` will not be sent. True when the lease is still

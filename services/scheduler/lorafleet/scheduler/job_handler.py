@@ -201,7 +201,8 @@ class JobHandler:
         )
         return Pace(seconds_per_step=prior, machines=measured.machines, measured=False)
 
-    async def _spec_pace(self, spec: JobSpec) -> Pace:
+    async def spec_pace(self, spec: JobSpec) -> Pace:
+        """`pace` of the spec's shape."""
         return await self.pace(
             resolution=spec.resolution,
             batch_size=spec.train_batch_size,
@@ -212,7 +213,7 @@ class JobHandler:
     async def estimate(self, spec: JobSpec, *, api_key_id: str | None) -> Estimate:
         """max_train_steps x the fleet's measured pace on jobs of the same shape, priced; no
         estimate (0) while too few machines have measured it."""
-        pace = await self._spec_pace(spec)
+        pace = await self.spec_pace(spec)
         seconds_per_step = pace.seconds_per_step if pace.measured else 0.0
         seconds = spec.max_train_steps * seconds_per_step
         price = self._price_per_gpu_hour
@@ -251,7 +252,7 @@ class JobHandler:
         pending = pending_s * price / 3600
         expected_s = 0.0
         for spec in specs:
-            pace = await self._spec_pace(spec)
+            pace = await self.spec_pace(spec)
             expected_s += spec.max_train_steps * pace.seconds_per_step
             priced_by_prior |= not pace.measured
         expected = expected_s * price / 3600

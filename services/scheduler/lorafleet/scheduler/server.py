@@ -32,6 +32,7 @@ from lorafleet.ledger.database import EmbeddedPostgres, migrate
 from lorafleet.ledger.ledger import Ledger, Quarantine
 from lorafleet.scheduler.auth import ApiKeyAuthenticator
 from lorafleet.scheduler.background import BackgroundTasks
+from lorafleet.scheduler.checkpoint_interval import CheckpointIntervals, CheckpointIntervalSettings
 from lorafleet.scheduler.config import LocalStorage, SchedulerConfig
 from lorafleet.scheduler.dispatcher import Dispatcher
 from lorafleet.scheduler.identity import build_verifiers
@@ -164,6 +165,8 @@ class Scheduler(AsyncLifecycle):
                 threshold=cfg.quarantine_fault_threshold, window_s=cfg.quarantine_window_s
             ),
         )
+        if filled := await self._ledger.fill_warm_keys():
+            log.info("warm keys computed for jobs submitted before warm dispatch", jobs=filled)
         self._storage = self._make_storage()
         await self._storage.start()
         self._notifications = Notifications(self.database_url)
@@ -214,6 +217,18 @@ class Scheduler(AsyncLifecycle):
                 )
             ),
         )
+        webhook_policy = AddressPolicy.from_text(cfg.webhook_allowed_networks)
+        handler = JobHandler(
+            ledger=self._ledger,
+            storage=self._storage,
+            signer=signer,
+            notifications=self._notifications,
+            webhook_policy=webhook_policy,
+            price_per_gpu_hour=cfg.price_per_gpu_hour,
+            estimate_window_s=cfg.estimate_window_s,
+            estimate_min_machines=cfg.estimate_min_machines,
+            estimate_prior_s_per_step=cfg.estimate_prior_s_per_step,
+        )
         background = BackgroundTasks()
         self._dispatcher = Dispatcher(
             ledger=self._ledger,
@@ -223,6 +238,17 @@ class Scheduler(AsyncLifecycle):
             notifications=self._notifications,
             lease_ttl_s=cfg.lease_ttl_s,
             dispatch_interval_s=cfg.dispatch_interval_s,
+            warm_dispatch_bound_s=cfg.warm_dispatch_bound_s,
+            checkpoint_intervals=CheckpointIntervals(
+                ledger=self._ledger,
+                pace=handler.spec_pace,
+                settings=CheckpointIntervalSettings(
+                    cost_prior_s=cfg.checkpoint_cost_prior_s,
+                    interruption_prior_s=cfg.interruption_prior_s,
+                    interruption_window_s=cfg.interruption_window_s,
+                    min_steps=cfg.checkpoint_min_steps,
+                ),
+            ),
         )
         self._worker_handler = WorkerHandler(
             ledger=self._ledger,
@@ -245,18 +271,6 @@ class Scheduler(AsyncLifecycle):
                 else cfg.ec2_identity_certificate_file.read_bytes(),
                 ec2_account_ids=cfg.ec2_account_ids,
             ),
-        )
-        webhook_policy = AddressPolicy.from_text(cfg.webhook_allowed_networks)
-        handler = JobHandler(
-            ledger=self._ledger,
-            storage=self._storage,
-            signer=signer,
-            notifications=self._notifications,
-            webhook_policy=webhook_policy,
-            price_per_gpu_hour=cfg.price_per_gpu_hour,
-            estimate_window_s=cfg.estimate_window_s,
-            estimate_min_machines=cfg.estimate_min_machines,
-            estimate_prior_s_per_step=cfg.estimate_prior_s_per_step,
         )
         server = grpc.aio.server(
             # A span per JobService call, continuing the caller's trace (the CLI's). Not for

@@ -35,6 +35,7 @@ from lorafleet.core.serde import (
     job_state_from_proto,
     job_to_proto,
     notice_report_from_proto,
+    ready_from_proto,
     samples_report_from_proto,
     spec_from_proto,
     success_report_from_proto,
@@ -361,7 +362,7 @@ class WorkerServicer(fgrpc.WorkerServiceServicer):
         handler = self._handler
         kind = request.WhichOneof("message")
         if kind == "ready":
-            await handler.ready(session)
+            await handler.ready(session, ready_from_proto(request.ready))
         elif kind == "heartbeat":
             await handler.heartbeat(session, heartbeat_from_proto(request.heartbeat))
         elif kind == "urls_requested":

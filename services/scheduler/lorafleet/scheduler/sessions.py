@@ -21,7 +21,8 @@ from urllib.parse import unquote
 import structlog
 
 from lorafleet.core.errors import ResourceExhausted
-from lorafleet.core.model import LeaseRef, Machine, SampleTask
+from lorafleet.core.model import LeaseRef, Machine, SampleTask, WarmState
+from lorafleet.core.serde import ReadyReport
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.scheduler import metrics
 
@@ -238,6 +239,12 @@ class WorkerSession:
     log: SourceLog
     state: SessionState = SessionState.CONNECTED
     lease: ActiveLease | None = None
+    # What its latest Ready said it holds and what its checkpoints cost: the claim prefers jobs
+    # it is warm for, and sizes its automatic checkpoint interval (dispatcher.py). Its own
+    # claims, used for its own grants only.
+    ready: ReadyReport = field(
+        default_factory=lambda: ReadyReport(warm=WarmState(), checkpoint_cost_s=None)
+    )
     # Unbounded as a queue so the closing sentinel always fits; `send` enforces the limit.
     outbox: asyncio.Queue[fpb.ConnectResponse | None] = field(default_factory=asyncio.Queue)
     claiming: bool = False

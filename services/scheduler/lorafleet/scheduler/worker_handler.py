@@ -25,6 +25,7 @@ from lorafleet.core.serde import (
     FailureReport,
     HeartbeatReport,
     NoticeReport,
+    ReadyReport,
     SamplesReport,
     SuccessReport,
     UrlsRequest,
@@ -220,10 +221,12 @@ class WorkerHandler:
 
     # What a worker says -----------------------------------------------------------------------
 
-    async def ready(self, session: WorkerSession) -> None:
-        """The worker waits for work: it is offered some at once."""
+    async def ready(self, session: WorkerSession, report: ReadyReport) -> None:
+        """The worker waits for work: it is offered some at once, preferring what it says it
+        holds (`report`)."""
         if session.state not in (SessionState.CONNECTED, SessionState.IDLE, SessionState.LEASED):
             return
+        session.ready = report
         if (abandoned := session.lease) is not None:
             # Ended at once in the ledger, and the machine banned from the job (or the sample
             # task): a stream holds one live lease of any kind at most, and cannot hoard jobs

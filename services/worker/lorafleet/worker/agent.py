@@ -68,6 +68,7 @@ from lorafleet.core import __version__
 from lorafleet.core.errors import LorafleetError
 from lorafleet.core.lifecycle import AsyncLifecycle
 from lorafleet.core.retry import backoff_delay
+from lorafleet.core.serde import MAX_CHECKPOINT_COST_S
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
 from lorafleet.worker import metrics
@@ -721,7 +722,9 @@ class Agent(AsyncLifecycle):
                 training=self._training,
                 config=self.config,
                 trainer_factory=self._trainer_factory
-                or functools.partial(Trainer, resident=self.resident),
+                or functools.partial(
+                    Trainer, resident=self.resident if self.config.keep_base_model else None
+                ),
             )
         self._runner = runner
         self.recent_leases.append(runner)
@@ -744,6 +747,8 @@ class Agent(AsyncLifecycle):
 
     def warm_state(self) -> fpb.WarmState:
         """What the resident model holds now (the dispatcher prefers jobs that match)."""
+        if not self.config.keep_base_model:
+            return fpb.WarmState()
         return fpb.WarmState(
             resident=self.resident.key or "", compiled_shapes=self.resident.compiled_shapes
         )
@@ -757,12 +762,23 @@ class Agent(AsyncLifecycle):
         qualified = self.qualification is not None and self.qualification.passed
         if self._state is State.IDLE and self._runner is None and session is not None:
             if qualified:
-                session.send(fpb.ConnectRequest(ready=fpb.Ready(warm=self.warm_state())))
+                ready = fpb.Ready(
+                    warm=self.warm_state(), checkpoint_cost_s=self._checkpoint_cost_s()
+                )
+                session.send(fpb.ConnectRequest(ready=ready))
             else:
                 self._log.warning(
                     "not qualified: staying connected without work",
                     detail=self.qualification.detail if self.qualification else "",
                 )
+
+    def _checkpoint_cost_s(self) -> float:
+        """What this worker's latest checkpoint cost (0: none yet), for the scheduler's
+        automatic checkpoint interval of its next lease."""
+        for runner in reversed(self.recent_leases):
+            if isinstance(runner, LeaseRunner) and runner.checkpoint_cost_s is not None:
+                return min(runner.checkpoint_cost_s, MAX_CHECKPOINT_COST_S)
+        return 0.0
 
     async def _run_lease(self, runner: LeaseRunner | SampleRunner) -> LeaseResult:
         try:

@@ -144,6 +144,11 @@ class WorkerConfig(ServiceSettings):
         " forward from the prompt to the loss): on, off, or auto: when the job's remaining steps"
         " pay for the compile, by this node's own measurements per job shape (true/false: on/off)",
     )
+    keep_base_model: bool = Field(
+        True,
+        description="keep the base model loaded between leases (a lease on the same base model"
+        " and precision then only attaches fresh adapters); off: every lease loads it again",
+    )
     compile_cache_dir: Path | None = Field(
         None,
         description="this node's compile cache (inductor's caches, measured compile costs), kept"

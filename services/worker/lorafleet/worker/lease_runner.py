@@ -376,6 +376,10 @@ class LeaseRunner:
         # Set by the agent once a reconnect has settled whether the scheduler got it.
         self.terminal_confirmed = False
         self.committed_steps: list[int] = []
+        # What this lease's latest checkpoint cost: the training thread's stall to snapshot it
+        # plus its upload; the next Ready reports it (checkpointing_steps auto).
+        self.checkpoint_cost_s: float | None = None
+        self._snapshot_seconds: list[float] = []
         # Notices sent about this lease (e.g. a corrupt checkpoint skipped on resume).
         self.notices: list[str] = []
         # Full URL renewals received (the scheduler's periodic ones, or after a resume).
@@ -668,6 +672,9 @@ class LeaseRunner:
         resume: TrainingSnapshot | None,
     ) -> TrainingOutcome:
         trainer = self._trainer_factory(training_config)
+        # The real trainer times its snapshots (RunTimings); a stand-in may not.
+        timings = getattr(trainer, "timings", None)
+        self._snapshot_seconds = getattr(timings, "snapshot_seconds", [])
         hooks = TrainingHooks(
             on_progress=self._on_progress,
             should_stop=self._should_stop,
@@ -884,6 +891,8 @@ class LeaseRunner:
         metrics.CHECKPOINTS.inc()
         metrics.CHECKPOINT_BYTES.inc(len(blob.data))
         metrics.CHECKPOINT_SECONDS.observe(time.monotonic() - started)
+        stall = self._snapshot_seconds[-1] if self._snapshot_seconds else 0.0
+        self.checkpoint_cost_s = stall + time.monotonic() - started
         self._log.info(
             "checkpoint committed", step=snapshot.step, key=url.key, bytes=len(blob.data)
         )

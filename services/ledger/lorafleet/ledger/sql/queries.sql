@@ -64,6 +64,18 @@ SELECT count(*) AS machines,
            AS seconds_per_step
 FROM per_machine;
 
+-- name: interruptions_for_gpu
+-- How often leases on one node class ($2 gpu_model) were interrupted over the last $1 s:
+-- leases ended by expiry (the scheduler's own clock) or drain (a preemption notice, a SIGTERM),
+-- against the seconds leases were held (running ones so far). Machines a provider vouched for
+-- only: a self-declared machine moves no one's checkpoint interval.
+SELECT count(*) FILTER (WHERE l.end_reason IN ('expired', 'drained')) AS interruptions,
+       coalesce(sum(extract(epoch FROM coalesce(l.ended_at, now()) - l.granted_at)), 0)::float8
+           AS lease_seconds
+FROM leases l JOIN machines m ON m.machine_id = l.machine_id
+WHERE m.gpu_model = $2 AND m.identity_provider <> ''
+  AND l.granted_at > now() - make_interval(secs => $1);
+
 -- name: get_api_key
 SELECT key_id, owner, secret_sha256 FROM api_keys WHERE key_id = $1 AND revoked_at IS NULL;
 
@@ -74,18 +86,22 @@ UPDATE api_keys SET revoked_at = now() WHERE key_id = $1 AND revoked_at IS NULL 
 SELECT key_id, owner, created_at, revoked_at, webhook_url FROM api_keys ORDER BY created_at, key_id;
 
 -- name: insert_jobs
--- $1 owner; then one array per column, one element per job; $11 the submitting API key. Rows whose idempotency key the owner
--- already used are skipped here and read back by get_jobs_by_idempotency_key.
+-- $1 owner; then one array per column, one element per job; $11 the submitting API key; $12
+-- and $13 the spec's warm keys (JobSpec.resident_key, compiled_shape_key). Rows whose
+-- idempotency key the owner already used are skipped here and read back by
+-- get_jobs_by_idempotency_key.
 WITH input AS (
     SELECT * FROM unnest($2::uuid[], $3::text[], $4::jsonb[], $5::int[], $6::int[], $7::int[],
-                         $8::int[], $9::jsonb[], $10::text[])
+                         $8::int[], $9::jsonb[], $10::text[], $12::text[], $13::text[])
         AS t (job_id, idempotency_key, spec, priority, min_vram_mb, max_failures,
-              max_train_steps, labels, traceparent)
+              max_train_steps, labels, traceparent, resident_key, compiled_shape_key)
 ), inserted AS (
     INSERT INTO jobs (job_id, owner, idempotency_key, spec, state, priority, min_vram_mb,
-                      max_failures, max_train_steps, labels, traceparent, api_key_id)
+                      max_failures, max_train_steps, labels, traceparent, api_key_id,
+                      resident_key, compiled_shape_key)
     SELECT job_id, $1, NULLIF(idempotency_key, ''), spec, 'QUEUED', priority, min_vram_mb,
-           max_failures, max_train_steps, labels, NULLIF(traceparent, ''), $11
+           max_failures, max_train_steps, labels, NULLIF(traceparent, ''), $11,
+           resident_key, compiled_shape_key
     FROM input
     ON CONFLICT (owner, idempotency_key) DO NOTHING
     RETURNING *
@@ -94,6 +110,17 @@ WITH input AS (
     SELECT job_id, 'SUBMITTED', 'QUEUED' FROM inserted
 )
 SELECT * FROM inserted;
+
+-- name: jobs_without_warm_keys
+-- Unfinished jobs submitted before 0016 (their warm keys are computed from the spec in Python).
+SELECT job_id, spec FROM jobs
+WHERE resident_key IS NULL AND state IN ('QUEUED', 'RUNNING')
+LIMIT $1;
+
+-- name: set_warm_keys
+UPDATE jobs j SET resident_key = k.resident_key, compiled_shape_key = k.compiled_shape_key
+FROM unnest($1::uuid[], $2::text[], $3::text[]) AS k (job_id, resident_key, compiled_shape_key)
+WHERE j.job_id = k.job_id AND j.resident_key IS NULL;
 
 -- name: get_jobs_by_idempotency_key
 SELECT * FROM jobs WHERE owner = $1 AND idempotency_key = ANY($2::text[]);
@@ -148,7 +175,15 @@ SELECT * FROM canceled;
 -- hold locked, and grant it a new lease with the next epoch.
 -- $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl seconds, $5 sha256 of the lease's
 -- secret (only the grant carries the secret itself), $6 quarantine threshold (node faults),
--- $7 quarantine window seconds.
+-- $7 quarantine window seconds; $8 the base model the worker says it holds ('' none), $9 the
+-- step shapes it says it compiled, $10 the warm-dispatch bound in seconds.
+--
+-- Warm preference, within the strict order's classes (re-queued jobs first, then priority): a
+-- job whose compiled shape the worker holds, else whose base model it holds, else the oldest.
+-- Fairness bound: a job queued for $10 s or longer (since submit, or since its last lease ended)
+-- is overdue and goes before every job of its class that is not, oldest first, whatever the
+-- worker holds: it waits at most $10 s longer than strict order would have made it wait. What a
+-- worker says it holds is unverified; it decides only which of the claimable jobs it gets.
 WITH candidate AS (
     SELECT j.job_id FROM jobs j
     WHERE j.state = 'QUEUED'
@@ -167,7 +202,15 @@ WITH candidate AS (
       AND (SELECT count(*) FROM leases q
            WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
              AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
-    ORDER BY (j.epoch > 0) DESC, j.priority DESC, j.created_at, j.job_id
+    ORDER BY (j.epoch > 0) DESC, j.priority DESC,
+             CASE WHEN coalesce((SELECT l.ended_at FROM leases l
+                                 WHERE l.job_id = j.job_id AND l.epoch = j.epoch),
+                                j.created_at)
+                       <= now() - make_interval(secs => $10::float8) THEN 0
+                  WHEN j.compiled_shape_key = ANY ($9::text[]) THEN 1
+                  WHEN j.resident_key = $8 THEN 2
+                  ELSE 3 END,
+             j.created_at, j.job_id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
 ), granted AS (

@@ -81,6 +81,10 @@ CREATE TABLE jobs (
     result_kohya_key    text,
     result_kohya_bytes  bigint,
     result_kohya_sha256 text,
+    -- Copied out of the spec for the claim's warm preference (0016): JobSpec.resident_key and
+    -- compiled_shape_key; NULL (jobs from before, until the scheduler fills them) matches none.
+    resident_key        text,
+    compiled_shape_key  text,
     UNIQUE (owner, idempotency_key),
     -- At most one live lease per job, and only a RUNNING job has one.
     CHECK ((state = 'RUNNING') = (lease_id IS NOT NULL)),

@@ -198,6 +198,9 @@ class Trainer:
         `TrainingFailure` (with the original as its cause) whose class the ledger acts on."""
         if self._ran:
             raise RuntimeError("a Trainer runs once; make a new one for another run")
+        if self.config.spec.checkpointing_steps < 1:
+            # 0 is "auto", which the scheduler resolves into the grant's spec.
+            raise ValueError("checkpointing_steps auto reached the trainer unresolved")
         self._ran = True
         resident = self._resident or ResidentModel()
         run = _Run(self.config, hooks or TrainingHooks(), self.timings, resident)

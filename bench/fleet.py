@@ -1,0 +1,262 @@
+"""The fleet benchmark: a job's fixed cost on a cold fleet against a warm one.
+
+    .venv/bin/python bench/fleet.py                       # 2 workers, 30 jobs of 300 steps
+    .venv/bin/python bench/fleet.py --jobs 6 --steps 50   # the small size
+
+A real scheduler (Postgres, the local object store) and real worker processes
+(`python -m lorafleet.worker`, `OMP_NUM_THREADS=1`) train the tiny SDXL-architecture model at
+64 px: `--jobs` jobs of `--steps` steps, two job shapes interleaved (LoRA rank 4 and 8; seed per
+job), submitted at once, run twice in one invocation on fresh ledgers:
+
+* `cold`: as before the warm fleet: workers started with `--cold-env` (default: compile off,
+  base model not kept between leases) and the scheduler with warm dispatch off (bound 0).
+* `warm`: workers with `--warm-env` (default: the worker's own defaults) and warm dispatch on.
+
+The worker settings are environment variables, so each mode is one flag; a worker that does not
+know a variable ignores it (then both modes run the same worker, and only dispatch differs).
+
+Reported per mode: grant to first step (median, p95; from the ledger's LEASE_GRANTED event to
+the lease's first HEARTBEAT past its start step, so at the heartbeat interval's resolution, 0.1 s
+here), worker-seconds per job (its leases' durations), result time per job (submit to
+SUCCEEDED), jobs per hour (jobs over first submit to last result); and whether every job's
+result sha256 equals its cold run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import grpc
+
+from lorafleet.core.model import upload_key
+from lorafleet.jobs.v1 import jobs_pb2 as pb
+from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
+from lorafleet.scheduler.auth import create_api_key
+from lorafleet.scheduler.config import SchedulerConfig
+from lorafleet.scheduler.server import Scheduler
+from lorafleet.worker.tiny_model import build_tiny_model
+
+TOKEN = "bench-worker-token"
+RANKS = (4, 8)  # the two job shapes, alternating in the queue
+COLD_ENV = "LORAFLEET_COMPILE_MODEL=off,LORAFLEET_KEEP_BASE_MODEL=0"
+WARM_ENV = ""
+
+
+def png(seed: int) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    array = rng.integers(0, 255, size=(64, 64, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(array, "RGB").save(out, format="PNG")
+    return out.getvalue()
+
+
+def parse_env(text: str) -> dict[str, str]:
+    pairs = (item.partition("=") for item in text.split(",") if item.strip())
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
+
+
+async def first_steps(conn: asyncpg.Connection) -> list[float]:
+    """Per lease: seconds from its grant to its first heartbeat past the step it started at."""
+    rows = await conn.fetch(
+        """
+        SELECT extract(epoch FROM min(h.at) - g.at)::float8 AS seconds
+        FROM job_events g
+        JOIN job_events h ON h.lease_id = g.lease_id AND h.kind = 'HEARTBEAT' AND h.step > g.step
+        WHERE g.kind = 'LEASE_GRANTED'
+        GROUP BY g.lease_id, g.at
+        """
+    )
+    return [r["seconds"] for r in rows]
+
+
+async def run_mode(
+    mode: str, args: argparse.Namespace, model: Path, root: Path
+) -> tuple[dict[str, Any], dict[int, str]]:
+    name = f"bench_fleet_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(args.database_url)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    url = args.database_url.rsplit("/", 1)[0] + f"/{name}"
+    processes: list[asyncio.subprocess.Process] = []
+    try:
+        config = SchedulerConfig(
+            listen="127.0.0.1:0",
+            database_url=url,
+            data_dir=root / name,
+            worker_token=TOKEN,
+            lease_ttl_s=60.0,
+            heartbeat_interval_s=0.1,
+            sweep_interval_s=1.0,
+            dispatch_interval_s=1.0,
+            warm_dispatch_bound_s=args.bound if mode == "warm" else 0.0,
+        )
+        async with Scheduler(config) as scheduler:
+            for i in range(3):
+                await scheduler.storage.put_bytes(upload_key("bench", "dogs", f"{i}.png"), png(i))
+            key = (await create_api_key(scheduler.ledger, "bench")).key
+            metadata = (("authorization", f"Bearer {key}"),)
+            env = {
+                **os.environ,
+                "LORAFLEET_SCHEDULER": f"127.0.0.1:{scheduler.port}",
+                "LORAFLEET_WORKER_TOKEN": TOKEN,
+                "LORAFLEET_ALLOW_CPU": "1",
+                "LORAFLEET_MODEL_PATH": str(model),
+                "LORAFLEET_LOCAL_FILES_ONLY": "1",
+                "LORAFLEET_DEVICE": "cpu",
+                "LORAFLEET_MIN_FREE_DISK_MB": "0",
+                "LORAFLEET_MIN_FREE_MEMORY_MB": "0",
+                "LORAFLEET_PROGRESS_INTERVAL_S": "0",
+                "LORAFLEET_COMPILE_CACHE_DIR": str(root / f"compile-{mode}"),
+                "OMP_NUM_THREADS": "1",
+                **parse_env(args.cold_env if mode == "cold" else args.warm_env),
+            }
+            for n in range(args.workers):
+                processes.append(
+                    await asyncio.create_subprocess_exec(
+                        sys.executable,
+                        "-m",
+                        "lorafleet.worker",
+                        env={**env, "SALAD_MACHINE_ID": f"bench-{mode}-{n}"},
+                        stdout=asyncio.subprocess.DEVNULL,
+                        stderr=asyncio.subprocess.DEVNULL,
+                    )
+                )
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}") as channel:
+                stub = pbgrpc.JobServiceStub(channel)
+                started = time.monotonic()
+                request = pb.SubmitJobsRequest(
+                    jobs=[
+                        pb.SubmitJobRequest(
+                            spec=pb.JobSpec(
+                                instance_prompt="a photo of sks dog",
+                                instance_data_prefix="dogs",
+                                max_train_steps=args.steps,
+                                checkpointing_steps=args.checkpointing_steps,
+                                resolution=64,
+                                lora_rank=RANKS[i % len(RANKS)],
+                                seed=1000 + i,
+                                learning_rate=1e-2,
+                                labels={"n": str(i)},
+                            )
+                        )
+                        for i in range(args.jobs)
+                    ]
+                )
+                jobs = (await stub.SubmitJobs(request, metadata=metadata, timeout=60)).jobs
+                for job in jobs:
+                    call = stub.WatchJob(pb.WatchJobRequest(job_id=job.job_id), metadata=metadata)
+                    async for update in call:
+                        if update.job.state in (pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELED):
+                            raise RuntimeError(f"{mode}: job {job.job_id} {update.job.error}")
+                        if update.job.state == pb.JOB_STATE_SUCCEEDED:
+                            call.cancel()
+                            break
+                wall = time.monotonic() - started
+            conn = await asyncpg.connect(url)
+            try:
+                grant_to_step = await first_steps(conn)
+                rows = await conn.fetch(
+                    "SELECT job_id, labels ->> 'n' AS n, result_sha256,"
+                    " extract(epoch FROM finished_at - created_at)::float8 AS result_s,"
+                    " (SELECT sum(extract(epoch FROM l.ended_at - l.granted_at))::float8"
+                    "  FROM leases l WHERE l.job_id = j.job_id) AS worker_s"
+                    " FROM jobs j"
+                )
+            finally:
+                await conn.close()
+        results = {int(r["n"]): r["result_sha256"] for r in rows}
+        worker_s = [r["worker_s"] for r in rows]
+        result_s = [r["result_s"] for r in rows]
+        summary = {
+            "mode": mode,
+            "jobs": args.jobs,
+            "steps": args.steps,
+            "workers": args.workers,
+            "grant_to_first_step_median_s": round(statistics.median(grant_to_step), 3),
+            "grant_to_first_step_p95_s": round(percentile(grant_to_step, 0.95), 3),
+            "worker_s_per_job_median": round(statistics.median(worker_s), 2),
+            "worker_s_per_job_mean": round(statistics.mean(worker_s), 2),
+            "result_s_median": round(statistics.median(result_s), 1),
+            "result_s_p95": round(percentile(result_s, 0.95), 1),
+            "jobs_per_hour": round(args.jobs / wall * 3600, 1),
+            "wall_s": round(wall, 1),
+        }
+        return summary, results
+    finally:
+        for process in processes:
+            if process.returncode is None:
+                process.terminate()
+        for process in processes:
+            await process.wait()
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+async def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--checkpointing-steps", type=int, default=100, help="the jobs' interval (0: auto)"
+    )
+    parser.add_argument("--bound", type=float, default=5.0, help="warm_dispatch_bound_s (warm)")
+    parser.add_argument("--cold-env", default=COLD_ENV, help="worker variables, cold mode")
+    parser.add_argument("--warm-env", default=WARM_ENV, help="worker variables, warm mode")
+    parser.add_argument(
+        "--database-url",
+        default=os.environ.get(
+            "LORAFLEET_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+        ),
+    )
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = build_tiny_model(root / "model")
+        cold, cold_results = await run_mode("cold", args, model, root)
+        print(json.dumps(cold), flush=True)
+        warm, warm_results = await run_mode("warm", args, model, root)
+        print(json.dumps(warm), flush=True)
+    same = sum(warm_results[n] == cold_results[n] for n in cold_results)
+    print()
+    print(
+        "| mode | grant to 1st step median / p95 s | worker-s per job median (mean) |"
+        " result s median / p95 | jobs per hour |"
+    )
+    print("|---|---|---|---|---|")
+    for r in (cold, warm):
+        print(
+            f"| {r['mode']} | {r['grant_to_first_step_median_s']} /"
+            f" {r['grant_to_first_step_p95_s']} | {r['worker_s_per_job_median']}"
+            f" ({r['worker_s_per_job_mean']}) | {r['result_s_median']} / {r['result_s_p95']} |"
+            f" {r['jobs_per_hour']} |"
+        )
+    ratio = warm["worker_s_per_job_mean"] / cold["worker_s_per_job_mean"]
+    print(f"\nworker-seconds per job, warm / cold: {ratio:.2f}")
+    print(f"results equal to their cold run's: {same} of {len(cold_results)}")
+    return 0 if same == len(cold_results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
