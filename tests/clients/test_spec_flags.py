@@ -76,3 +76,19 @@ def test_every_spec_flag_has_help_and_its_default() -> None:
     text = " ".join(parser.format_help().split()).replace("- ", "-")  # argparse wraps at "-"
     assert "default: 0.0001" in text or "default: 1e-04" in text  # learning rate
     assert "diffusers' DreamBooth-LoRA script's default 1e-4" in text  # weight decay
+
+
+def test_checkpointing_steps_takes_auto_or_a_number() -> None:
+    base = [
+        "--instance-prompt=a photo of sks dog",
+        "--instance-data-prefix=rex",
+        "--max-train-steps=50",
+    ]
+    parser = _parser()
+    for given, expected in (("auto", 0), ("25", 25)):
+        args = parser.parse_args([*base, f"--checkpointing-steps={given}"])
+        assert spec_from_proto(build_spec(spec_from_args(args, None))).checkpointing_steps == (
+            expected
+        )
+    assert "--checkpointing-steps N|auto" in parser.format_help()
+    assert "(default: auto)" in " ".join(parser.format_help().split())

@@ -203,6 +203,8 @@ def spec_table() -> str:
             flag = f"{f.flag} {'|'.join(f.choices)}"
         elif f.kind == "map":
             flag = f"{f.flag} KEY=VALUE"
+        elif f.zero:
+            flag = f"{f.flag} N|{f.zero}"
         else:
             flag = f"{f.flag} {dict(int='N', float='X').get(f.kind, 'TEXT')}"
         if not f.has_default:

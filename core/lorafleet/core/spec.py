@@ -87,6 +87,9 @@ class SpecField:
     required: bool = False
     # False where the help itself says the default (lora_alpha: the rank when unset).
     show_default: bool = True
+    # The word for an int field's 0 where 0 means a choice made later (checkpointing_steps:
+    # "auto"): the CLI takes it, help and docs show it.
+    zero: str = ""
     # The CLI flag, where it is not the field's name (labels and webhooks have flags of their
     # own; the CLI builds those by hand).
     flag: str = ""
@@ -109,6 +112,8 @@ class SpecField:
             return "empty"
         if isinstance(value, float):
             return f"{value:g}"
+        if value == 0 and self.zero:
+            return self.zero
         if isinstance(value, (tuple, dict)):
             return "none" if not value else str(value)
         return str(value)
@@ -312,9 +317,10 @@ class JobSpec:
     )
     checkpointing_steps: int = spec_field(
         default=CHECKPOINTING_AUTO,
-        help="steps between checkpoints; 0: auto, chosen per lease from the node's checkpoint"
+        help="steps between checkpoints; auto (0): chosen per lease from the node's checkpoint"
         " cost and its GPU class's interruption rate (Young-Daly)",
         trains=False,
+        zero="auto",
         low=0,
         high=MAX_TRAIN_STEPS,
     )

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,16 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def _int_or(zero: str) -> Callable[[str], int]:
+    """An int flag's parser; `zero` (e.g. "auto") stands for 0."""
+
+    def parse(text: str) -> int:
+        return 0 if zero and text == zero else int(text)
+
+    parse.__name__ = "int"  # argparse names the type in its error: "invalid int value"
+    return parse
+
+
 def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     """A flag per JobSpec field, from its declaration in core/spec.py: type, choices, help."""
     group = parser.add_argument_group("job spec (any field of lorafleet.jobs.v1.JobSpec)")
@@ -85,7 +95,10 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
                 help=help_text,
             )
         elif f.kind == "int":
-            group.add_argument(flag, dest=dest, type=int, metavar="N", help=help_text)
+            metavar = f"N|{f.zero}" if f.zero else "N"
+            group.add_argument(
+                flag, dest=dest, type=_int_or(f.zero), metavar=metavar, help=help_text
+            )
         elif f.kind == "float":
             group.add_argument(flag, dest=dest, type=float, metavar="X", help=help_text)
         else:
