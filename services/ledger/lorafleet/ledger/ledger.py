@@ -125,6 +125,18 @@ class ExpiredLease:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StalledLease:
+    """A lease revoked for making no verified progress (`stall_leases`)."""
+
+    job_id: str
+    lease_id: str
+    machine_id: str
+    epoch: int
+    job_state: JobState
+    silent_s: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class ApiKeyRecord:
     key_id: str
     owner: str
@@ -680,6 +692,20 @@ class Ledger:
                 lease_id=str(r["lease_id"]),
                 machine_id=r["machine_id"],
                 epoch=r["epoch"],
+            )
+            for r in rows
+        ]
+
+    async def stall_leases(self, progress_timeout_s: float) -> list[StalledLease]:
+        rows = await self._fetch("stall_leases", progress_timeout_s)
+        return [
+            StalledLease(
+                job_id=str(r["job_id"]),
+                lease_id=str(r["lease_id"]),
+                machine_id=r["machine_id"],
+                epoch=r["epoch"],
+                job_state=JobState(r["new_state"]),
+                silent_s=r["silent_s"],
             )
             for r in rows
         ]

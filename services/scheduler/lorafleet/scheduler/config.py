@@ -121,6 +121,17 @@ class SchedulerConfig(ServiceSettings):
         " provider and named by no lease, ban or sample task, is deleted from the node registry"
         " (the rows of a reconnect loop's made-up machine ids); at least --lease-ttl-s",
     )
+    lease_progress_timeout_s: float = Field(
+        1800.0,
+        ge=1,
+        le=7 * 86400.0,
+        description="seconds a lease may hold a job without verified progress (its grant, then a"
+        " checkpoint the store verified past the next multiple of the job's checkpointing_steps)"
+        " before it is revoked as a node fault; heartbeats are not progress. This is the bound"
+        " for a job checkpointing every 100 steps (the default): model load plus one interval"
+        " on the slowest node; longer intervals scale it, and each 100 class images to generate"
+        " adds as much again",
+    )
     quarantine_fault_threshold: int = Field(
         3,
         ge=1,

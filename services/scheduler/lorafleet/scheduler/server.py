@@ -183,6 +183,7 @@ class Scheduler(AsyncLifecycle):
             replica_id=self.scheduler_id,
             upload_url_ttl_s=cfg.lease_put_ttl_s,
             machine_retention_s=cfg.machine_retention_s,
+            lease_progress_timeout_s=cfg.lease_progress_timeout_s,
         )
         # Before anything can expire a lease: if every replica was down, the workers get a TTL
         # from now to reconnect in (the outage was not theirs).

@@ -173,7 +173,8 @@ WITH candidate AS (
 ), granted AS (
     UPDATE jobs j
     SET state = 'RUNNING', epoch = j.epoch + 1, lease_id = $3, machine_id = $1,
-        lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
+        lease_expires_at = now() + make_interval(secs => $4), lease_progress_at = now(),
+        updated_at = now()
     FROM candidate c WHERE j.job_id = c.job_id
     RETURNING j.*
 ), leased AS (
@@ -253,6 +254,58 @@ WITH expired AS (
     SELECT job_id, 'LEASE_EXPIRED', 'QUEUED', lease_id, machine_id, epoch FROM expired
 )
 SELECT job_id, lease_id, machine_id, epoch FROM expired;
+
+-- name: stall_leases
+-- The sweeper, beside expire_leases: a lease that made no verified progress (see
+-- jobs.lease_progress_at: its grant, then checkpoints crossing an interval) for its bound ends
+-- as a node fault: the machine is banned from the job, the fault counts toward its quarantine
+-- and the job's max_failures, and the job is re-queued from its newest checkpoint. Heartbeats
+-- keep a lease from expiring but are no progress. The bound is $1 seconds for a job that
+-- checkpoints every 100 steps, scaled by its interval (never below $1) plus $1 per 100 class
+-- images it may have to generate first; the holder's stream is revoked by the NOTIFY.
+WITH stalled AS (
+    SELECT job_id, lease_id, machine_id, epoch, failures, max_failures,
+           round(extract(epoch FROM now() - lease_progress_at))::bigint AS silent_s
+    FROM jobs
+    WHERE state = 'RUNNING'
+      AND lease_progress_at < now() - make_interval(secs => $1 * (
+            greatest(1.0, least(lorafleet_checkpoint_interval(spec), max_train_steps) / 100.0)
+            + CASE WHEN (spec ->> 'with_prior_preservation')::boolean
+                   THEN (spec ->> 'num_class_images')::int / 100.0 ELSE 0 END))
+    ORDER BY lease_progress_at
+    LIMIT 1000
+    FOR UPDATE SKIP LOCKED
+), decided AS (
+    SELECT s.*, CASE WHEN s.failures + 1 >= s.max_failures THEN 'FAILED' ELSE 'QUEUED' END
+                    AS new_state,
+           'no verified progress (a checkpoint the store verified) for ' || s.silent_s
+               || ' s; the lease was revoked as a node fault' AS message
+    FROM stalled s
+), updated AS (
+    UPDATE jobs j
+    SET state = d.new_state, failures = d.failures + 1,
+        lease_id = NULL, machine_id = NULL, lease_expires_at = NULL,
+        error = CASE WHEN d.new_state = 'FAILED' THEN d.message ELSE j.error END,
+        failure_class = CASE WHEN d.new_state = 'FAILED' THEN 'NODE' ELSE j.failure_class END,
+        finished_at = CASE WHEN d.new_state = 'FAILED' THEN now() END,
+        updated_at = now()
+    FROM decided d WHERE j.job_id = d.job_id
+), ended AS (
+    UPDATE leases l SET ended_at = now(), end_reason = 'failed: node'
+    FROM decided d WHERE l.lease_id = d.lease_id
+), banned AS (
+    INSERT INTO bans (job_id, machine_id, reason)
+    SELECT job_id, machine_id, message FROM decided
+    ON CONFLICT DO NOTHING
+), logged AS (
+    INSERT INTO job_events (job_id, kind, state, lease_id, machine_id, epoch, message, failure_class)
+    SELECT job_id, 'ATTEMPT_FAILED', new_state, lease_id, machine_id, epoch, message, 'NODE'
+    FROM decided
+    UNION ALL
+    SELECT job_id, 'FAILED', 'FAILED', lease_id, machine_id, epoch, message, 'NODE'
+    FROM decided WHERE new_state = 'FAILED'
+)
+SELECT job_id, lease_id, machine_id, epoch, new_state, silent_s FROM decided;
 
 -- name: drain_lease
 -- The holder is stopping ($1 lease, $2 epoch, $3 reason): re-queue at once, no failure counted.
@@ -335,9 +388,16 @@ WITH live AS (
     ON CONFLICT (job_id, step, epoch) DO NOTHING
     RETURNING job_id
 ), newest AS (
+    -- Verified progress for the stall bound (stall_leases): a checkpoint past the next
+    -- multiple of the job's checkpoint interval, so announcing step after step one apart
+    -- stretches a lease no further than honest checkpoints would.
     UPDATE jobs j
     SET checkpoint_step = $3, checkpoint_epoch = l.epoch, checkpoint_key = $4,
-        checkpoint_bytes = $5, checkpoint_sha256 = $6, checkpoint_at = now(), updated_at = now()
+        checkpoint_bytes = $5, checkpoint_sha256 = $6, checkpoint_at = now(), updated_at = now(),
+        lease_progress_at = CASE
+            WHEN $3 / lorafleet_checkpoint_interval(j.spec)
+                 > coalesce(j.checkpoint_step, 0) / lorafleet_checkpoint_interval(j.spec)
+            THEN now() ELSE j.lease_progress_at END
     FROM live l WHERE j.job_id = l.job_id AND coalesce(j.checkpoint_step, -1) <= $3
 ), logged AS (
     INSERT INTO job_events (job_id, kind, lease_id, machine_id, epoch, step,
@@ -544,11 +604,15 @@ RETURNING machine_id;
 -- workers, so each running lease gets at least a TTL ($2 s) from now to reconnect in.
 -- Returns how many leases were extended.
 WITH outage AS (
-    SELECT coalesce(max(last_seen_at), '-infinity') < now() - make_interval(secs => $3) AS down
+    SELECT coalesce(max(last_seen_at), '-infinity') < now() - make_interval(secs => $3) AS down,
+           now() - coalesce(max(last_seen_at), now()) AS gap
     FROM scheduler_replicas
 ), extended AS (
+    -- No checkpoint could be recorded meanwhile either: the stall bound (stall_leases) does
+    -- not count the outage.
     UPDATE jobs
     SET lease_expires_at = greatest(lease_expires_at, now() + make_interval(secs => $2)),
+        lease_progress_at = lease_progress_at + (SELECT gap FROM outage),
         updated_at = now()
     WHERE state = 'RUNNING' AND (SELECT down FROM outage)
     RETURNING job_id

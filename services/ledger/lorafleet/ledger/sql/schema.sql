@@ -81,6 +81,10 @@ CREATE TABLE jobs (
     result_kohya_key    text,
     result_kohya_bytes  bigint,
     result_kohya_sha256 text,
+    -- When the live lease last made verified progress (0016): its grant, then each checkpoint
+    -- the store verified that crossed the job's checkpoint interval. Heartbeats do not move
+    -- it; the sweeper revokes a lease that went too long without (stall_leases).
+    lease_progress_at   timestamptz,
     UNIQUE (owner, idempotency_key),
     -- At most one live lease per job, and only a RUNNING job has one.
     CHECK ((state = 'RUNNING') = (lease_id IS NOT NULL)),
@@ -397,6 +401,12 @@ CREATE TABLE sample_tasks (
 CREATE INDEX sample_tasks_queued_idx ON sample_tasks (created_at) WHERE state = 'QUEUED';
 CREATE INDEX sample_tasks_job_idx ON sample_tasks (job_id, step);
 CREATE INDEX sample_tasks_running_idx ON sample_tasks (lease_expires_at) WHERE state = 'RUNNING';
+
+-- Steps between a job's checkpoints, from its spec (the default for older specs, never 0).
+CREATE FUNCTION lorafleet_checkpoint_interval(spec jsonb) RETURNS integer
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT greatest(1, coalesce((spec ->> 'checkpointing_steps')::int, 100))
+$$;
 
 -- The settings of a job's validation images, from its spec (defaults for older specs).
 CREATE FUNCTION lorafleet_sample_settings(spec jsonb) RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$
