@@ -9,11 +9,14 @@ workers that prove their machine ids), with scripted hostile streams beside them
   and fails its qualification is not that instance: the scaler leaves the instance alone.
 * And the other way round: a slow node claiming speed is still judged on what the scheduler
   observed of it.
+* Streams under made-up machine ids that take every queued job are on no instance of the fleet:
+  their leases are neither demand nor a reason to hold scale-in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -185,3 +188,60 @@ async def test_a_slow_node_lying_fast_is_dropped_on_what_the_scheduler_observed(
     assert row.applied and len(str(row.figures["peer_observations"]).split()) == 3
     for w in sim.workers.values():
         w.release.set()
+
+
+async def test_rogue_streams_holding_every_job_do_not_pin_the_fleet_at_max(world: World) -> None:
+    policy = PolicyConfig(max_replicas=4, idle_grace_s=0, cooldown_s=60)
+    scaler = world.scaler(policy)
+    await scaler.acquire()
+    sim = world.sim(lambda _m: hold(1.0))
+    (honest_job,) = await world.submit(1)
+    await scaler.tick()
+    world.advance(COLD_START_S)
+    await sim.sync()
+    (honest,) = sim.workers.values()
+    async with asyncio.timeout(30):
+        await honest.settled.wait()
+    assert world.double.replicas == 1
+
+    # Four streams under made-up machine ids (no provider's proof) take every job queued next,
+    # and heartbeat at step 0.
+    await world.submit(4)
+    async with contextlib.AsyncExitStack() as stack:
+        for k in range(4):
+            rogue = await stack.enter_async_context(
+                connect_worker(world.channel, WORKER_TOKEN, f"rogue-{k}")
+            )
+            granted = await rogue.ready_for_lease()
+            await rogue.heartbeat(granted.lease, 0)
+        assert await world.states() == {"RUNNING": 5}
+
+        # Demand: the one honest lease, not five (before, the group went to max).
+        world.advance(120)
+        outcomes = await scaler.tick()
+        assert not applied(outcomes, Action.SCALE), [o.decision.reason for o in outcomes]
+        assert world.double.replicas == 1
+
+        # Scale-in: once the honest job is done the group shrinks to zero, rogue leases or not
+        # (before, they held it: "running jobs on no instance the provider lists").
+        honest.release.set()
+        await world.watch.until(
+            lambda: _eq(world.watch.count_jobs("SUCCEEDED"), 1), "the honest job finished"
+        )
+        world.advance(120)
+        outcomes = await scaler.tick()
+        (scaled,) = applied(outcomes, Action.SCALE)
+        assert scaled.decision.replicas == 0, scaled.decision.reason
+        assert scaled.decision.figures["unplaced_leases"] == 4
+    # The honest node ran its job to the end: no ban, no drop, no move.
+    assert await world.watch.value(
+        "SELECT machine_id FROM leases WHERE end_reason = 'succeeded' AND job_id = $1::uuid",
+        honest_job,
+    ) == (honest.machine_id)
+    assert (
+        await world.watch.value(
+            "SELECT count(*) FROM bans WHERE machine_id = $1", honest.machine_id
+        )
+        == 0
+    )
+    assert not [a for a in world.double.actions if a[0] == "reallocate"]

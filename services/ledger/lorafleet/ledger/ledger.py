@@ -264,7 +264,9 @@ class PaceRecord:
 @dataclass(frozen=True, kw_only=True)
 class ScalerWork:
     queued: int
+    # Leases held by listed or provider-verified machines; `unplaced`: the others.
     running: int
+    unplaced: int
     last_finished_at: datetime | None
 
 
@@ -1107,11 +1109,15 @@ class Ledger:
             for r in await self._fetch("pace_observations", window_s, limit)
         ]
 
-    async def scaler_work(self) -> ScalerWork:
-        row = await self._fetchrow("scaler_work")
+    async def scaler_work(self, listed_machines: Sequence[str]) -> ScalerWork:
+        """Work for the fleet; `listed_machines`: the machine ids of the provider's instances."""
+        row = await self._fetchrow("scaler_work", list(listed_machines))
         assert row is not None
         return ScalerWork(
-            queued=row["queued"], running=row["running"], last_finished_at=row["last_finished_at"]
+            queued=row["queued"],
+            running=row["running"],
+            unplaced=row["unplaced"],
+            last_finished_at=row["last_finished_at"],
         )
 
     async def banned_queued_jobs(self, limit: int) -> list[BannedQueuedJob]:

@@ -40,7 +40,9 @@ and its reports must never move that machine's instance.
      itself (past the warm-up): a worker's claim can convict only that worker.
    Drops are rate-limited like reallocations (their own count, the same allowance per
    `reallocate_window_s`); each DROP_LEASE row carries the observations behind it.
-4. **Replicas follow the work**: queued + running jobs (plus, while jobs queue, one for each
+4. **Replicas follow the work**: queued + running jobs (running: leases held by machines on a
+   listed instance or vouched for by a provider; a lease under a made-up machine id is no
+   node's work, and does not hold scale-in either) (plus, while jobs queue, one for each
    bad node the rate limit keeps in place: the scheduler quarantines it), clamped to
    [min, max], against the provider's replica count (instances still starting count).
    Growth is immediate, by at most `max_step` per tick. Shrinking waits `cooldown_s` after
@@ -192,6 +194,9 @@ class Snapshot:
     # The queued jobs that have at least one banned machine (the others fit any node).
     banned_queued: tuple[QueuedJob, ...] = ()
     running_jobs: int = 0
+    # Leases left out of running_jobs: held by machine ids on no listed instance that no
+    # provider vouched for (made-up ids). Neither demand nor a reason to hold scale-in.
+    unplaced_leases: int = 0
     # When queued + running last became 0; None while there is work.
     idle_since: float | None = None
     recent_actions: tuple[PastAction, ...] = ()
@@ -597,6 +602,7 @@ def _scale(fleet: _Fleet, stranded_extra: int) -> list[Decision]:
         "stopping": stopping,
         "bad_held": quarantined,
         "busy_instances": busy_seen,
+        "unplaced_leases": s.unplaced_leases,
         "min": c.min_replicas,
         "max": c.max_replicas,
     }

@@ -811,11 +811,24 @@ LEFT JOIN LATERAL (
 -- name: scaler_work
 -- Queued and running work (jobs and sample tasks: a job's validation images need a node too),
 -- and when the newest finished job finished (the idle grace starts then when nothing is queued
--- or running).
+-- or running). Running work counts only leases held by a machine the provider lists now ($1)
+-- or one a provider vouched for: a lease under a made-up machine id is on no instance of the
+-- fleet, so it is neither demand nor a reason to keep a node (the stall bound gives its job
+-- back); `unplaced` counts those left out.
+WITH holders AS (
+    SELECT machine_id FROM jobs WHERE state = 'RUNNING'
+    UNION ALL
+    SELECT machine_id FROM sample_tasks WHERE state = 'RUNNING'
+), placed AS (
+    SELECT h.machine_id = ANY ($1::text[])
+           OR EXISTS (SELECT 1 FROM machines m
+                      WHERE m.machine_id = h.machine_id AND m.identity_provider <> '') AS placed
+    FROM holders h
+)
 SELECT (SELECT count(*) FROM jobs WHERE state = 'QUEUED')
        + (SELECT count(*) FROM sample_tasks WHERE state = 'QUEUED') AS queued,
-       (SELECT count(*) FROM jobs WHERE state = 'RUNNING')
-       + (SELECT count(*) FROM sample_tasks WHERE state = 'RUNNING') AS running,
+       (SELECT count(*) FROM placed WHERE placed) AS running,
+       (SELECT count(*) FROM placed WHERE NOT placed) AS unplaced,
        (SELECT max(finished_at) FROM jobs WHERE finished_at IS NOT NULL) AS last_finished_at;
 
 -- name: banned_queued_jobs
