@@ -94,8 +94,9 @@ class SchedulerConfig(ServiceSettings):
         ge=0,
         le=1_000_000,
         description="Hellos per second accepted per worker token on average, past"
-        " --worker-hello-burst. Every worker of a fleet shares one token, so this bounds the"
-        " whole fleet's connection rate (per replica); an honest fleet reconnects once per"
+        " --worker-hello-burst, from machines no provider vouched for (and Hellos whose proof"
+        " failed). Every worker of a fleet shares one token, so this bounds the whole fleet's"
+        " unverified connection rate (per replica); an honest fleet reconnects once per"
         " restart or network blip; 0: no bound",
     )
     worker_hello_burst: int = Field(
@@ -104,6 +105,21 @@ class SchedulerConfig(ServiceSettings):
         le=1_000_000,
         description="Hellos per worker token at once: keep it above the fleet's size, so every"
         " worker can reconnect at once after a scheduler restart",
+    )
+    worker_hellos_per_verified_machine_per_min: float = Field(
+        12.0,
+        ge=0,
+        le=1_000_000,
+        description="Hellos per minute of one provider-verified machine on average, past"
+        " --worker-hello-burst-per-verified-machine. Verified Hellos are charged here and not to"
+        " the worker token's budget, so a flood of unverified streams cannot delay them; 0: no"
+        " bound",
+    )
+    worker_hello_burst_per_verified_machine: int = Field(
+        6,
+        ge=1,
+        le=1_000_000,
+        description="Hellos of one provider-verified machine at once",
     )
     worker_log_lines_per_peer_per_min: float = Field(
         60.0,

@@ -210,6 +210,8 @@ class Scheduler(AsyncLifecycle):
                     stream_burst_per_peer=cfg.worker_stream_burst_per_peer,
                     hellos_per_token_per_s=cfg.worker_hellos_per_s,
                     hello_burst_per_token=cfg.worker_hello_burst,
+                    hellos_per_verified_machine_per_min=cfg.worker_hellos_per_verified_machine_per_min,
+                    hello_burst_per_verified_machine=cfg.worker_hello_burst_per_verified_machine,
                     log_lines_per_peer_per_min=cfg.worker_log_lines_per_peer_per_min,
                     log_burst_per_peer=max(1, round(2 * cfg.worker_log_lines_per_peer_per_min)),
                 )

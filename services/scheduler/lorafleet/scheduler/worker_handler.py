@@ -16,7 +16,7 @@ import time
 import structlog
 from opentelemetry import trace
 
-from lorafleet.core.errors import AlreadyExists, StaleLease
+from lorafleet.core.errors import AlreadyExists, StaleLease, Unauthenticated
 from lorafleet.core.model import FailureClass, Job, JobState, LeaseRef
 from lorafleet.core.serde import (
     CheckpointReport,
@@ -92,25 +92,37 @@ class WorkerHandler:
         ResourceExhausted past the source's rate, before anything else is done for it."""
         self._sessions.gate.admit_stream(source)
 
-    def admit_hello(self, worker_token: str) -> None:
-        """A Hello under a valid worker token: refused past the token's rate, before its
-        identity is verified or the ledger touched. One token serves a whole fleet."""
-        self._sessions.gate.admit_hello(digest(worker_token).hex())
-
     def refused(self, source: str, reason: str) -> None:
         """A stream from `source` was refused before its session began (logged per source)."""
         self._sessions.gate.log(source).info("worker stream refused", reason=reason)
 
-    async def connect(self, hello: WorkerHello, *, source: str = "") -> WorkerSession:
-        """A worker said Hello from `source`: its session, with its lease if it resumes one."""
+    async def connect(
+        self, hello: WorkerHello, *, worker_token: str, source: str = ""
+    ) -> WorkerSession:
+        """A worker said Hello from `source` under a valid `worker_token`: its session, with
+        its lease if it resumes one."""
         machine = hello.machine
         source_log = self._sessions.gate.log(source)
+        token_key = digest(worker_token).hex()
         # The provider's word for the machine id, where the Hello carries it (identity.py). A
         # proof that does not verify is refused even where none is required: it is a
-        # misconfigured worker or a forgery, never something to carry on without.
+        # misconfigured worker or a forgery, never something to carry on without. Verifying
+        # first is cheap and bounded per peer (one proof per stream, streams per peer address
+        # admitted before the token is even checked), and lets a verified machine's Hellos be
+        # charged to its own budget: a flood of unverified ones cannot keep it out.
         provider = ""
         if hello.identity.present or self._identities.required:
-            provider = (await self._identities.verify(machine.machine_id, hello.identity)).provider
+            try:
+                verified = await self._identities.verify(machine.machine_id, hello.identity)
+            except Unauthenticated:
+                self._sessions.gate.spend_hello(token_key)
+                raise
+            provider = verified.provider
+        # Before the ledger is touched: Hellos per verified machine, or per worker token (one
+        # token serves a whole fleet) for the rest.
+        self._sessions.gate.admit_hello(
+            token_key, verified_machine=f"{provider}:{machine.machine_id}" if provider else ""
+        )
         token = secrets.token_urlsafe(32)
         session_sha256 = digest(token)
         # The machine id is this stream's only if no other live stream holds it: a worker
