@@ -5,14 +5,19 @@ bans are untouched.
 * A lease that heartbeats at step 0 for ever (or announces checkpoints one step apart) makes no
   verified progress: the sweeper revokes it as a node fault and re-queues the job from its last
   verified checkpoint.
+* A stream that takes lease after lease by saying Ready (collecting each job's image URLs)
+  keeps no URL past its lease, and is granted nothing once it has dropped a few without work.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
+import aiohttp
 import asyncpg
 import pytest
 
@@ -109,3 +114,43 @@ async def test_a_lease_without_verified_progress_is_revoked_as_a_node_fault(
                 database_url, "SELECT count(*) AS n FROM bans WHERE machine_id = 'honest'"
             )
             assert honest_bans["n"] == 0
+
+
+async def _get_status(url: str) -> int:
+    async with aiohttp.ClientSession() as http, http.get(url) as response:
+        return response.status
+
+
+@pytest.mark.parametrize("scheduler_overrides", [{"quarantine_empty_leases": 3}])
+async def test_ready_cycling_keeps_no_urls_and_is_quarantined(
+    fleet: Fleet, database_url: str
+) -> None:
+    for _ in range(4):
+        await fleet.alice.submit()
+    async with connect_worker(fleet.channel, fleet.token, "cycler") as cycler:
+        granted = await cycler.ready_for_lease()
+        (image,) = granted.urls.instance_files
+        # A lease's read URLs are short-lived (lease_get_ttl_s), bound to the lease...
+        expires = int(parse_qs(urlsplit(image.url).query)["X-Lf-Expires"][0])
+        assert expires - time.time() <= 300 + 5
+        assert await _get_status(image.url) == 200
+        for _ in range(2):
+            # ... and die with it: Ready gives the lease up, and its URLs with it.
+            again = await cycler.ready_for_lease()
+            assert await _get_status(image.url) == 403
+            (image,) = again.urls.instance_files
+            assert await _get_status(image.url) == 200
+        # Three leases taken and dropped without a checkpoint: nothing more for a window.
+        await cycler.send(ready=fpb.Ready())
+        with pytest.raises(TimeoutError):
+            await cycler.expect("lease_granted", timeout=1.5)
+        assert await _get_status(image.url) == 403
+        async with connect_worker(fleet.channel, fleet.token, "honest") as honest:
+            mine = await honest.ready_for_lease()
+            await honest.store_checkpoint(mine.lease, 10)
+            assert await _get_status(mine.urls.instance_files[0].url) == 200
+    quarantined = await _row(
+        database_url,
+        "SELECT count(*) AS n FROM leases WHERE machine_id = 'cycler' AND end_reason = 'dropped'",
+    )
+    assert quarantined["n"] == 3

@@ -409,10 +409,14 @@ def checkpoint_from_row(row: asyncpg.Record) -> Checkpoint:
 @dataclass(frozen=True, kw_only=True)
 class Quarantine:
     """A machine with `threshold` node faults in the last `window_s` seconds is granted
-    nothing (no job, no sample task) until the window passes or the scaler replaces it."""
+    nothing (no job, no sample task) until the window passes or the scaler replaces it; so is
+    one with `empty_lease_limit` leases in the window that ended (dropped by a Ready, drained,
+    expired) without a checkpoint: taking and dropping leases collects their URLs and
+    delays their jobs, and an honest node rarely does it."""
 
     threshold: int = 3
     window_s: float = 3600.0
+    empty_lease_limit: int = 10
 
 
 class Ledger:
@@ -642,6 +646,7 @@ class Ledger:
             secret_sha256,
             q.threshold,
             q.window_s,
+            q.empty_lease_limit,
         )
         return None if row is None else job_from_row(row)
 
@@ -799,6 +804,7 @@ class Ledger:
             secret_sha256,
             q.threshold,
             q.window_s,
+            q.empty_lease_limit,
         )
         return None if row is None else sample_task_from_row(row)
 

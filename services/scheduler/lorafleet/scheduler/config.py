@@ -161,6 +161,14 @@ class SchedulerConfig(ServiceSettings):
         le=7 * 86400.0,
         description="seconds a node fault counts toward quarantine (the scaler's --fault-window-s)",
     )
+    quarantine_empty_leases: int = Field(
+        10,
+        ge=1,
+        le=100_000,
+        description="leases within the quarantine window that ended without a checkpoint"
+        " (given up by saying Ready, drained, expired) after which a machine is granted nothing"
+        " until the window passes: taking and dropping leases collects their input URLs",
+    )
     checkpoint_retention: int = Field(
         3, ge=1, le=1000, description="checkpoints kept per running job (newest first)"
     )
@@ -168,13 +176,21 @@ class SchedulerConfig(ServiceSettings):
         3600,
         ge=1,
         le=7 * 86400,
-        description="lifetime of presigned URLs users get and leases read with",
+        description="lifetime of presigned URLs users get",
     )
     lease_put_ttl_s: int = Field(
         300,
         ge=1,
         le=86400,
         description="lifetime of a lease's upload URLs (renewed on heartbeats while it lives)",
+    )
+    lease_get_ttl_s: int = Field(
+        300,
+        ge=1,
+        le=86400,
+        description="lifetime of a lease's read URLs (instance and class images, checkpoints),"
+        " renewed on heartbeats while it lives; the local store also refuses them once the"
+        " lease ends, S3 at this TTL",
     )
     # Object storage: S3 when a bucket is named, else the embedded local store.
     s3_bucket: str = Field("", description="S3 bucket; empty: the embedded local store")
@@ -284,10 +300,13 @@ class SchedulerConfig(ServiceSettings):
             # A machine id is held for its stream until a TTL of silence; its row must outlive
             # that, or a stranger could take the id sooner than the rule allows.
             raise ValueError("machine_retention_s must be at least lease_ttl_s")
-        if self.heartbeat_interval_s * 3 > min(self.lease_put_ttl_s, self.url_ttl_s):
-            # Upload URLs are renewed on a heartbeat once a third of their life is left.
+        if self.heartbeat_interval_s * 3 > min(
+            self.lease_put_ttl_s, self.lease_get_ttl_s, self.url_ttl_s
+        ):
+            # A lease's URLs are renewed on a heartbeat once a third of their life is left.
             raise ValueError(
-                "heartbeat_interval_s must be at most a third of lease_put_ttl_s and url_ttl_s"
+                "heartbeat_interval_s must be at most a third of lease_put_ttl_s,"
+                " lease_get_ttl_s and url_ttl_s"
             )
         return self
 

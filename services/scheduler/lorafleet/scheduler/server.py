@@ -161,7 +161,9 @@ class Scheduler(AsyncLifecycle):
         self._ledger = await Ledger.connect(
             self.database_url,
             quarantine=Quarantine(
-                threshold=cfg.quarantine_fault_threshold, window_s=cfg.quarantine_window_s
+                threshold=cfg.quarantine_fault_threshold,
+                window_s=cfg.quarantine_window_s,
+                empty_lease_limit=cfg.quarantine_empty_leases,
             ),
         )
         self._storage = self._make_storage()
@@ -175,6 +177,7 @@ class Scheduler(AsyncLifecycle):
             ledger=self._ledger,
             url_ttl_s=cfg.url_ttl_s,
             lease_put_ttl_s=cfg.lease_put_ttl_s,
+            lease_get_ttl_s=cfg.lease_get_ttl_s,
         )
         self._sweeper = Sweeper(
             ledger=self._ledger,

@@ -148,7 +148,8 @@ SELECT * FROM canceled;
 -- hold locked, and grant it a new lease with the next epoch.
 -- $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl seconds, $5 sha256 of the lease's
 -- secret (only the grant carries the secret itself), $6 quarantine threshold (node faults),
--- $7 quarantine window seconds.
+-- $7 quarantine window seconds, $8 empty leases (ended without a checkpoint) in that window
+-- after which the machine gets nothing either.
 WITH candidate AS (
     SELECT j.job_id FROM jobs j
     WHERE j.state = 'QUEUED'
@@ -167,6 +168,7 @@ WITH candidate AS (
       AND (SELECT count(*) FROM leases q
            WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
              AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
+      AND lorafleet_empty_leases($1, $7::float8) < $8::int
     ORDER BY (j.epoch > 0) DESC, j.priority DESC, j.created_at, j.job_id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -897,7 +899,7 @@ FROM scaler_decisions ORDER BY decision_id DESC LIMIT $1;
 -- name: claim_sample_task
 -- Like claim_job, for a worker that found no training job: the oldest claimable task, re-runs
 -- first. $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl s, $5 sha256 of its secret,
--- $6 and $7 the quarantine (as claim_job's).
+-- $6, $7 and $8 the quarantine (as claim_job's).
 WITH candidate AS (
     SELECT s.task_id FROM sample_tasks s JOIN jobs j USING (job_id)
     WHERE s.state = 'QUEUED' AND j.min_vram_mb <= $2 AND NOT ($1 = ANY (s.banned_machines))
@@ -910,6 +912,7 @@ WITH candidate AS (
       AND (SELECT count(*) FROM leases q
            WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
              AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
+      AND lorafleet_empty_leases($1, $7::float8) < $8::int
     ORDER BY (s.epoch > 0) DESC, j.priority DESC, s.created_at, s.task_id
     LIMIT 1
     FOR UPDATE OF s SKIP LOCKED

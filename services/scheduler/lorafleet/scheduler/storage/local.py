@@ -229,8 +229,9 @@ class LocalObjectStore(AsyncLifecycle):
         """Stop serving URLs, letting uploads in progress finish; idempotent."""
         await self._server.close()
 
-    async def presign_get(self, key: str, *, ttl_s: int) -> SignedUrl:
-        return self._sign("GET", key, ttl_s)
+    async def presign_get(self, key: str, *, ttl_s: int, lease_id: str | None = None) -> SignedUrl:
+        check_lease_id(lease_id)
+        return self._sign("GET", key, ttl_s, lease_id=lease_id)
 
     async def presign_put(
         self, key: str, *, ttl_s: int, lease_id: str | None = None, write_once: bool = True
@@ -439,6 +440,9 @@ class LocalObjectServer(AsyncLifecycle):
             return _refuse(request, 403, str(exc), key=key)
         if method == "PUT":
             return await self._put(request, key, path, grant)
+        # A lease's read URLs die with it too: its holder keeps none of the job's inputs.
+        if grant.lease_id is not None and (refusal := await self._lease_refusal(grant.lease_id)):
+            return _refuse(request, *refusal, key=key)
         return await self._get(request, key, path)
 
     def _check_authorisation(self, request: web.Request, key: str) -> _Grant | str:
@@ -493,7 +497,7 @@ class LocalObjectServer(AsyncLifecycle):
         return _Grant(lease_id=lease_id, replace=replace == "1")
 
     async def _lease_refusal(self, lease_id: str) -> tuple[int, str] | None:
-        """Why a PUT on a URL of lease `lease_id` may not proceed (status, reason), or None
+        """Why a request on a URL of lease `lease_id` may not proceed (status, reason), or None
         while the lease is live."""
         try:
             live = await self.lease_is_live(lease_id)
@@ -502,7 +506,7 @@ class LocalObjectServer(AsyncLifecycle):
             log.warning("storage.local.lease_check_failed", lease_id=lease_id, error=repr(exc))
             return 503, f"cannot check lease {lease_id} now; try again"
         if not live:
-            return 403, f"lease {lease_id} has ended: its upload URLs no longer work"
+            return 403, f"lease {lease_id} has ended: its URLs no longer work"
         return None
 
     async def _get(self, request: web.Request, key: str, path: Path) -> web.StreamResponse:

@@ -161,7 +161,10 @@ class S3ObjectStore(AsyncLifecycle):
         if client is not None:
             await asyncio.to_thread(client.close)
 
-    async def presign_get(self, key: str, *, ttl_s: int) -> SignedUrl:
+    async def presign_get(self, key: str, *, ttl_s: int, lease_id: str | None = None) -> SignedUrl:
+        """See `ObjectStore.presign_get`; `lease_id` is checked but not in the URL (S3 cannot
+        ask whether a lease is live): keep `ttl_s` short for a lease's URLs."""
+        check_lease_id(lease_id)
         return await self._presign("GET", "get_object", key, ttl_s)
 
     async def presign_put(

@@ -10,3 +10,15 @@ CREATE FUNCTION lorafleet_checkpoint_interval(spec jsonb) RETURNS integer
 LANGUAGE sql IMMUTABLE AS $$
     SELECT greatest(1, coalesce((spec ->> 'checkpointing_steps')::int, 100))
 $$;
+
+-- Leases of machine $1 that ended in the last $2 s without work: given up by a Ready, drained
+-- or expired with no checkpoint recorded under them. Past a limit the machine is granted
+-- nothing (claim_job): taking and dropping leases is how a stream collects their URLs.
+CREATE FUNCTION lorafleet_empty_leases(machine text, window_s float8) RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT count(*) FROM leases q
+    WHERE q.machine_id = machine AND q.end_reason IN ('dropped', 'drained', 'expired')
+      AND q.ended_at > now() - make_interval(secs => window_s)
+      AND NOT EXISTS (SELECT 1 FROM checkpoints c
+                      WHERE c.job_id = q.job_id AND c.epoch = q.epoch)
+$$;
