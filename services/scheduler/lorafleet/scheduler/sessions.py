@@ -14,6 +14,7 @@ import enum
 import ipaddress
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -56,6 +57,9 @@ class ActiveLease:
     traceparent: str = ""
     # The job's output_format: which result files its JobSucceeded must announce.
     output_format: str = "diffusers"
+    # The tensors (name -> shape) every checkpoint of the job must have: the earlier verified
+    # checkpoints', learnt at this lease's first (formats.py).
+    checkpoint_layout: Mapping[str, tuple[int, ...]] | None = None
 
 
 @dataclass(kw_only=True)

@@ -5,7 +5,8 @@ Every message about a lease is fenced twice: by the stream (`WorkerSession.holds
 are not secret, and only the stream a lease was granted on may speak for it) and by the ledger
 (the lease and epoch must still be the job's). A message that fails either is refused with
 `Rejected`, and the worker drops the lease. Objects a worker announces (checkpoints, results,
-images) are recorded only once the store holds exactly what was announced.
+images) are recorded only once the store holds exactly what was announced, and checkpoints and
+results only in their format (`formats.py`: safetensors headers read with ranged reads).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import structlog
 from opentelemetry import trace
 
 from lorafleet.core.errors import AlreadyExists, StaleLease, Unauthenticated
-from lorafleet.core.model import FailureClass, Job, JobState, LeaseRef
+from lorafleet.core.model import Checkpoint, FailureClass, Job, JobState, LeaseRef
 from lorafleet.core.serde import (
     CheckpointReport,
     ClassImagesReport,
@@ -45,6 +46,12 @@ from lorafleet.scheduler.dispatcher import (
     lease_attributes,
     lease_proto,
     trace_context,
+)
+from lorafleet.scheduler.formats import (
+    BadFormat,
+    check_lora_file,
+    checkpoint_layout,
+    layout_difference,
 )
 from lorafleet.scheduler.identity import IdentityVerifiers
 from lorafleet.scheduler.sessions import ActiveLease, SessionState, WorkerSession, WorkerSessions
@@ -353,7 +360,7 @@ class WorkerHandler:
         ) as span:
             if not await self._stored_as_announced(
                 session, ref, checkpoint.key, checkpoint.size_bytes, checkpoint.sha256
-            ):
+            ) or not await self._checkpoint_in_format(session, ref, lease, checkpoint):
                 span.set_attribute("lorafleet.refused", True)
                 return
             if not await self._ledger.commit_checkpoint(ref.lease_id, ref.epoch, checkpoint):
@@ -421,7 +428,7 @@ class WorkerHandler:
             for stored in result.files.values():
                 if not await self._stored_as_announced(
                     session, ref, stored.key, stored.size_bytes, stored.sha256
-                ):
+                ) or not await self._result_in_format(session, ref, stored.key, stored.size_bytes):
                     span.set_attribute("lorafleet.refused", True)
                     return
             # Cleared before the ledger call: its NOTIFY must not revoke what the worker just
@@ -572,6 +579,54 @@ class WorkerHandler:
         )
         self._reject(session, ref, f"the stored object {key} does not match its size and sha256")
         return False
+
+    async def _checkpoint_in_format(
+        self, session: WorkerSession, ref: LeaseRef, lease: ActiveLease, checkpoint: Checkpoint
+    ) -> bool:
+        """A checkpoint the store verified is recorded only if it is a checkpoint bundle whose
+        tensors (names and shapes) are those of the job's earlier verified checkpoints."""
+        try:
+            layout = await checkpoint_layout(
+                self._storage, checkpoint.key, size_bytes=checkpoint.size_bytes
+            )
+            earlier = lease.checkpoint_layout
+            if earlier is None:
+                for recorded in await self._ledger.live_checkpoints(lease.job_id):
+                    try:
+                        earlier = await checkpoint_layout(
+                            self._storage, recorded.key, size_bytes=recorded.size_bytes
+                        )
+                        break
+                    except BadFormat:
+                        continue  # deleted meanwhile (retention): an older one will do
+            if earlier is not None and (difference := layout_difference(layout, earlier)):
+                raise BadFormat(difference)
+        except BadFormat as exc:
+            self._refuse_format(session, ref, checkpoint.key, str(exc))
+            return False
+        lease.checkpoint_layout = earlier if earlier is not None else layout
+        return True
+
+    async def _result_in_format(
+        self, session: WorkerSession, ref: LeaseRef, key: str, size_bytes: int
+    ) -> bool:
+        """A result file the store verified is recorded only if it is a LoRA safetensors file."""
+        try:
+            await check_lora_file(self._storage, key, size_bytes=size_bytes)
+        except BadFormat as exc:
+            self._refuse_format(session, ref, key, str(exc))
+            return False
+        return True
+
+    def _refuse_format(self, session: WorkerSession, ref: LeaseRef, key: str, why: str) -> None:
+        log.warning(
+            "announced object is not in its format; refused",
+            machine_id=session.machine.machine_id,
+            lease_id=ref.lease_id,
+            key=key,
+            reason=why,
+        )
+        self._reject(session, ref, f"the stored object {key} is refused: {why}")
 
     async def _sample_task_failed(
         self, session: WorkerSession, ref: LeaseRef, failure_class: FailureClass, message: str

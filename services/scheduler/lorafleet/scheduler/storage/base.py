@@ -150,6 +150,11 @@ class ObjectStore(Protocol):
         """The object's bytes; `ObjectNotFound` when there is none."""
         ...
 
+    async def read_range(self, key: str, start: int, length: int) -> bytes:
+        """At most `length` bytes of the object from byte `start` (fewer at its end, none
+        past it); `ObjectNotFound` when there is none. For headers: reads only what it returns."""
+        ...
+
 
 def validate_key(key: str, *, field: str = "key") -> None:
     """Raise `InvalidArgument` unless `key` is a plain relative path both backends can store.

@@ -256,6 +256,12 @@ class LocalObjectStore(AsyncLifecycle):
         validate_key(key)
         return await _in_thread("get", key, self._files.read, key)
 
+    async def read_range(self, key: str, start: int, length: int) -> bytes:
+        validate_key(key)
+        if start < 0 or length < 0:
+            raise ValueError("start and length must not be negative")
+        return await _in_thread("get", key, self._files.read_range, key, start, length)
+
     async def verify(self, key: str, *, size_bytes: int, sha256: str) -> bool:
         """Hashes the stored file in a thread (nothing cached: the bytes on disk are what is
         checked); the size is compared first, so a wrong size costs no read."""
@@ -693,6 +699,15 @@ class _Files:
             raise ObjectNotFound(key) from None
         with file:
             return file.read()
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        try:
+            file, _ = _open_object(self.path_for(key))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFound(key) from None
+        with file:
+            file.seek(start)
+            return file.read(length)
 
     def verify(self, key: str, size_bytes: int, sha256: str) -> bool:
         try:
