@@ -534,6 +534,7 @@ class Ledger:
         batch_size: int,
         gradient_accumulation_steps: int,
         train_text_encoder: bool,
+        min_seconds_per_step: float,
     ) -> ShapePace:
         row = await self._fetchrow(
             "pace_for_shape",
@@ -542,6 +543,7 @@ class Ledger:
             batch_size,
             gradient_accumulation_steps,
             train_text_encoder,
+            min_seconds_per_step,
         )
         assert row is not None
         return ShapePace(machines=row["machines"], seconds_per_step=row["seconds_per_step"])

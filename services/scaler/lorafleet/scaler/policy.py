@@ -74,6 +74,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from lorafleet.core.model import MIN_PLAUSIBLE_S_PER_STEP, shape_seconds_per_step
 from lorafleet.scaler.provider import COUNTED_STATES, LIVE_STATES, Instance, InstanceState
 
 FLEET = "fleet"
@@ -106,6 +107,9 @@ class PolicyConfig:
     # Distinct peer machines (one observation each per job shape) needed to judge a pace.
     slow_min_peers: int = 3
     slow_min_excess: float = 0.25
+    # The fastest plausible pace, in seconds per 1024x1024 image step (scaled per shape): a
+    # peer observation faster than that is a holder committing tiny checkpoints, not training.
+    min_plausible_seconds_per_step: float = MIN_PLAUSIBLE_S_PER_STEP
     reallocate_share: float = 0.1
     reallocate_window_s: float = 3600.0
     reallocate_min_per_window: int = 1
@@ -425,8 +429,9 @@ def _stranded_jobs(fleet: _Fleet) -> tuple[int, list[Decision]]:
 
 def _peer_paces(fleet: _Fleet) -> dict[JobShape, dict[str, float]]:
     """Per job shape, one observed pace per live, verified machine: the median of its
-    observations that span the warm-up. Departed machines and unverified streams count for
-    nothing, and a machine with many leases counts no more than one with a single lease."""
+    observations that span the warm-up and are not faster than the plausibility floor.
+    Departed machines and unverified streams count for nothing, and a machine with many leases
+    counts no more than one with a single lease."""
     c = fleet.c
     paces: dict[JobShape, dict[str, list[float]]] = {}
     for _inst, node in fleet.live_with_nodes():
@@ -435,6 +440,14 @@ def _peer_paces(fleet: _Fleet) -> dict[JobShape, dict[str, float]]:
         for o in node.observations:
             if o.observed_seconds_per_step is None or o.observed_steps < c.slow_warmup_steps:
                 continue
+            floor = shape_seconds_per_step(
+                c.min_plausible_seconds_per_step,
+                resolution=o.shape.resolution,
+                batch_size=o.shape.batch_size,
+                train_text_encoder=o.shape.train_text_encoder,
+            )
+            if o.observed_seconds_per_step < floor:
+                continue  # implausibly fast: checkpoints committed, no training done
             paces.setdefault(o.shape, {}).setdefault(node.machine_id, []).append(
                 o.observed_seconds_per_step
             )

@@ -13,6 +13,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, AliasChoices, Field, model_validator
 
+from lorafleet.core.model import MIN_PLAUSIBLE_S_PER_STEP
 from lorafleet.core.settings import ServiceSettings
 from lorafleet.scheduler.identity import SALAD_JWKS_URL
 from lorafleet.scheduler.job_handler import PRIOR_S_PER_STEP
@@ -241,6 +242,15 @@ class SchedulerConfig(ServiceSettings):
         description="what spend limits assume per step of a shape not measured yet: seconds per"
         " 1024x1024 image (scaled by resolution, batch, accumulation; x1.5 with text-encoder"
         " training)",
+    )
+    min_plausible_seconds_per_step: float = Field(
+        MIN_PLAUSIBLE_S_PER_STEP,
+        gt=0,
+        le=3600,
+        description="the fastest pace a verified completion may show, in seconds per 1024x1024"
+        " image step (scaled to each job shape like the prior); faster ones are garbage stored"
+        " fast, not training, and count for no estimate or spend limit. Default: about five"
+        " times an H100's SDXL LoRA step",
     )
     webhook_max_attempts: int = Field(8, ge=1, le=100, description="webhook delivery attempts")
     webhook_backoff_s: float = Field(

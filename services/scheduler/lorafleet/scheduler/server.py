@@ -263,6 +263,7 @@ class Scheduler(AsyncLifecycle):
             estimate_window_s=cfg.estimate_window_s,
             estimate_min_machines=cfg.estimate_min_machines,
             estimate_prior_s_per_step=cfg.estimate_prior_s_per_step,
+            min_plausible_s_per_step=cfg.min_plausible_seconds_per_step,
         )
         server = grpc.aio.server(
             # A span per JobService call, continuing the caller's trace (the CLI's). Not for

@@ -35,7 +35,8 @@ LIMIT 1000;
 -- steps the lease had to run (max_train_steps less the checkpoint it resumed from: nothing a
 -- worker said). Only machines a provider vouched for count, each once (the median of its
 -- leases), so that one machine moves the figure no more than any other; then the median over
--- machines, and how many machines it rests on.
+-- machines, and how many machines it rests on. A completion faster than $6 s/step (the
+-- plausibility floor for the shape) is no training (a garbage result stored fast): left out.
 WITH done AS (
     SELECT l.machine_id,
            extract(epoch FROM l.ended_at - l.granted_at)::float8
@@ -56,7 +57,7 @@ WITH done AS (
 ), per_machine AS (
     SELECT machine_id,
            percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds_per_step) AS seconds_per_step
-    FROM done WHERE seconds_per_step > 0
+    FROM done WHERE seconds_per_step > 0 AND seconds_per_step >= $6::float8
     GROUP BY machine_id
 )
 SELECT count(*) AS machines,
