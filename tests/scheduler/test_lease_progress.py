@@ -7,6 +7,7 @@ bans are untouched.
   verified checkpoint.
 * A stream that takes lease after lease by saying Ready (collecting each job's image URLs)
   keeps no URL past its lease, and is granted nothing once it has dropped a few without work.
+* A heartbeat past the job's max_train_steps is a bad field.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
 import asyncpg
+import grpc
 import pytest
 
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
@@ -154,3 +156,17 @@ async def test_ready_cycling_keeps_no_urls_and_is_quarantined(
         "SELECT count(*) AS n FROM leases WHERE machine_id = 'cycler' AND end_reason = 'dropped'",
     )
     assert quarantined["n"] == 3
+
+
+async def test_a_heartbeat_past_max_train_steps_is_refused(fleet: Fleet) -> None:
+    job = await fleet.alice.submit()  # 100 steps
+    async with connect_worker(fleet.channel, fleet.token, "liar") as liar:
+        granted = await liar.ready_for_lease()
+        await liar.heartbeat(granted.lease, 100)
+        await liar.heartbeat(granted.lease, 101, seconds_per_step=0.001)
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await liar.expect("welcome")
+        assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "heartbeat.step" in (ended.value.details() or "")
+    current = await fleet.alice.get(job.job_id)
+    assert current.progress.step == 100

@@ -57,6 +57,8 @@ class ActiveLease:
     traceparent: str = ""
     # The job's output_format: which result files its JobSucceeded must announce.
     output_format: str = "diffusers"
+    # The job's max_train_steps: no heartbeat of a training lease reports a later step.
+    max_train_steps: int = 0
     # The tensors (name -> shape) every checkpoint of the job must have: the earlier verified
     # checkpoints', learnt at this lease's first (formats.py).
     checkpoint_layout: Mapping[str, tuple[int, ...]] | None = None

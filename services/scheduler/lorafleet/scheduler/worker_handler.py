@@ -17,7 +17,7 @@ import time
 import structlog
 from opentelemetry import trace
 
-from lorafleet.core.errors import AlreadyExists, StaleLease, Unauthenticated
+from lorafleet.core.errors import AlreadyExists, InvalidArgument, StaleLease, Unauthenticated
 from lorafleet.core.model import Checkpoint, FailureClass, Job, JobState, LeaseRef
 from lorafleet.core.serde import (
     CheckpointReport,
@@ -201,6 +201,7 @@ class WorkerHandler:
                 urls_expire_at=0.0,
                 traceparent=resumed.traceparent or "",
                 output_format=resumed.spec.output_format,
+                max_train_steps=resumed.spec.max_train_steps,
             )
             welcome.resumed_lease.CopyFrom(lease_proto(resumed, self._lease_ttl_s))
             log.info("lease resumed", machine_id=machine.machine_id, job_id=resumed.job_id)
@@ -304,6 +305,13 @@ class WorkerHandler:
             ):
                 self._reject(session, hb.lease, "the sample task's lease is no longer live")
             return
+        training = session.lease
+        if training is not None and training.max_train_steps and hb.step > training.max_train_steps:
+            # Progress no run of this job can report: refused like any other bad field (it
+            # would show on the owner's timeline and in the holder's own pace).
+            raise InvalidArgument(
+                "heartbeat.step", f"past the job's max_train_steps ({training.max_train_steps})"
+            )
         # The timeline gets at most one HEARTBEAT per half interval, however fast they come.
         on_timeline = now - session.last_timeline_heartbeat >= self._heartbeat_interval_s / 2
         if on_timeline:
