@@ -17,6 +17,7 @@ from lorafleet.app.main import main
 from lorafleet.core.model import RESULT_FILE_NAMES
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as jpb
+from tests.support.artifacts import lora_blob
 from tests.support.fleet import Fleet
 from tests.support.images import jpeg
 from tests.support.workers import connect_worker
@@ -80,7 +81,7 @@ async def test_cli_job_commands(
     async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
         granted = await worker.ready_for_lease()
         await worker.heartbeat(granted.lease, 20, loss=0.3, seconds_per_step=0.5)
-        lora = b"cli lora"
+        lora = lora_blob()
         async with (
             aiohttp.ClientSession() as http,
             http.put(granted.urls.result_upload.url, data=lora),
@@ -291,7 +292,7 @@ async def test_cli_downloads_either_result_file_of_a_both_formats_job(
     assert code == 0
     (job,) = json.loads(out)
     assert job["spec"]["output_format"] == "both"
-    files = {"diffusers": b"diffusers lora", "kohya": b"kohya lora"}
+    files = {"diffusers": lora_blob(1), "kohya": lora_blob(2)}
     async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
         granted = await worker.ready_for_lease()
         urls = granted.urls

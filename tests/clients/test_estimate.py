@@ -236,7 +236,13 @@ async def test_one_machine_counts_once_and_too_few_machines_give_no_estimate(
             pytest.approx(0.5)
         )
         for _ in range(3):
-            await _measured_jobs(fleet, {"fast": 0.04})
+            await _measured_jobs(fleet, {"quick": 4.0})  # 0.1 s/step: fast, but plausible
+        estimate = await client.estimate(spec, max_train_steps=1000)
+        assert estimate.samples == 4 and estimate.seconds_per_step == pytest.approx(0.5)
+        # Faster than any GPU trains (below the plausibility floor, 0.05 s per 1024x1024 image
+        # step): no training, and no figure at all, however many machines report it.
+        for machine in ("blink-1", "blink-2", "blink-3"):
+            await _measured_jobs(fleet, {machine: 0.04})
         estimate = await client.estimate(spec, max_train_steps=1000)
         assert estimate.samples == 4 and estimate.seconds_per_step == pytest.approx(0.5)
 

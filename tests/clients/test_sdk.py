@@ -25,6 +25,7 @@ from lorafleet.core.model import EventKind, JobState, upload_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.server import Scheduler
+from tests.support.artifacts import lora_blob
 from tests.support.fleet import Fleet, scheduler_config
 from tests.support.images import png
 from tests.support.jobs import WAIT_S
@@ -76,7 +77,7 @@ async def test_async_client_end_to_end(fleet: Fleet, tmp_path: Path) -> None:
                 "1.png",
                 "2.png",
             ]
-            lora = b"trained lora"
+            lora = lora_blob()
             async with (
                 aiohttp.ClientSession() as http,
                 http.put(granted.urls.result_upload.url, data=lora),

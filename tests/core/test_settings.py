@@ -58,6 +58,13 @@ def test_bad_values_are_refused_naming_the_flag_and_the_variable(
         load(Example, parse(*argv), env=env)
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_number_that_is_not_finite_is_refused_as_such(value: str) -> None:
+    # nan passes no bound check and would fail every one with a misleading message.
+    with pytest.raises(ConfigError, match=r"--ttl-s / LORAFLEET_TTL_S: .*finite number"):
+        load(Example, parse(), env={"LORAFLEET_TTL_S": value})
+
+
 def test_settings_are_frozen() -> None:
     settings = load(Example, None, env={})
     with pytest.raises(ValidationError):

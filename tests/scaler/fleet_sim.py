@@ -27,6 +27,7 @@ import grpc
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as jpb
 from tests.scaler.salad_double import SaladDouble
+from tests.support.artifacts import checkpoint_blob
 from tests.support.workers import (
     LEASE_SECRETS,
     ScriptedWorker,
@@ -83,9 +84,10 @@ class SimWorker:
     # URL renewals, read by the stream's one reader and handed to the script.
     urls: asyncio.Queue[fpb.UrlsRenewed] = field(default_factory=asyncio.Queue)
 
-    async def store_checkpoint(self, lease: Lease, step: int, data: bytes = b"state") -> None:
+    async def store_checkpoint(self, lease: Lease, step: int, data: bytes | None = None) -> None:
         """As the harness's, with the stream read by FleetSim's reader (one reader a stream)."""
         assert self.worker is not None
+        data = checkpoint_blob(step) if data is None else data
         slot = fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_CHECKPOINT, step=step)
         await self.worker.send(urls_requested=fpb.UrlsRequested(lease=lease.ref, slots=[slot]))
         async with asyncio.timeout(WAIT_S):

@@ -161,8 +161,11 @@ async def test_the_ledger_reads_behind_the_snapshot(
     assert pace.reported_seconds_per_step == pytest.approx(0.01) and pace.reported_steps == 20
     assert (pace.resolution, pace.batch_size, pace.train_text_encoder) == (512, 1, False)
     assert pace.gpu_class == "NVIDIA L4" and pace.identity_provider == ""
-    work = await ledger.scaler_work()
-    assert (work.queued, work.running) == (0, 1)
+    work = await ledger.scaler_work(["m1"])
+    assert (work.queued, work.running, work.unplaced) == (0, 1, 0)
+    # m1 is on no listed instance and no provider vouched for it: its lease is no node's work.
+    work = await ledger.scaler_work([])
+    assert (work.queued, work.running, work.unplaced) == (0, 0, 1)
     # Only carried-out actions count for cooldowns and rate limits: neither HOLD nor a failure.
     assert await ledger.recent_scaler_actions(0.0) == []
 

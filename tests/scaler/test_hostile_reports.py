@@ -9,11 +9,16 @@ workers that prove their machine ids), with scripted hostile streams beside them
   and fails its qualification is not that instance: the scaler leaves the instance alone.
 * And the other way round: a slow node claiming speed is still judged on what the scheduler
   observed of it.
+* Streams under made-up machine ids that take every queued job are on no instance of the fleet:
+  their leases are neither demand nor a reason to hold scale-in.
+* Verified, live machines of one holder that commit tiny checkpoints faster than any GPU trains
+  are below the plausibility floor: nobody's peers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -128,8 +133,13 @@ async def test_a_slow_node_lying_fast_is_dropped_on_what_the_scheduler_observed(
     checkpoints are 10 steps apart and span the peers' whole runs of 10,000 steps, so on the
     ledger's clock it is at least a thousand times slower per step, whatever it says."""
     # Scripted peers' paces differ by timing noise alone: "slow" is a hundred times the median.
+    # They run ten thousand steps in milliseconds: no plausibility floor here (see below).
     policy = PolicyConfig(
-        max_replicas=4, slow_warmup_steps=10, slow_min_excess=100.0, cooldown_s=300
+        max_replicas=4,
+        slow_warmup_steps=10,
+        slow_min_excess=100.0,
+        cooldown_s=300,
+        min_plausible_seconds_per_step=1e-9,
     )
     scaler = world.scaler(policy)
     await scaler.acquire()
@@ -183,5 +193,117 @@ async def test_a_slow_node_lying_fast_is_dropped_on_what_the_scheduler_observed(
     # The row in the ledger carries the peer observations that justified it.
     (row,) = [r for r in await world.ledger.list_scaler_decisions(20) if r.action == "drop_lease"]
     assert row.applied and len(str(row.figures["peer_observations"]).split()) == 3
+    for w in sim.workers.values():
+        w.release.set()
+
+
+async def test_rogue_streams_holding_every_job_do_not_pin_the_fleet_at_max(world: World) -> None:
+    policy = PolicyConfig(max_replicas=4, idle_grace_s=0, cooldown_s=60)
+    scaler = world.scaler(policy)
+    await scaler.acquire()
+    sim = world.sim(lambda _m: hold(1.0))
+    (honest_job,) = await world.submit(1)
+    await scaler.tick()
+    world.advance(COLD_START_S)
+    await sim.sync()
+    (honest,) = sim.workers.values()
+    async with asyncio.timeout(30):
+        await honest.settled.wait()
+    assert world.double.replicas == 1
+
+    # Four streams under made-up machine ids (no provider's proof) take every job queued next,
+    # and heartbeat at step 0.
+    await world.submit(4)
+    async with contextlib.AsyncExitStack() as stack:
+        for k in range(4):
+            rogue = await stack.enter_async_context(
+                connect_worker(world.channel, WORKER_TOKEN, f"rogue-{k}")
+            )
+            granted = await rogue.ready_for_lease()
+            await rogue.heartbeat(granted.lease, 0)
+        assert await world.states() == {"RUNNING": 5}
+
+        # Demand: the one honest lease, not five (before, the group went to max).
+        world.advance(120)
+        outcomes = await scaler.tick()
+        assert not applied(outcomes, Action.SCALE), [o.decision.reason for o in outcomes]
+        assert world.double.replicas == 1
+
+        # Scale-in: once the honest job is done the group shrinks to zero, rogue leases or not
+        # (before, they held it: "running jobs on no instance the provider lists").
+        honest.release.set()
+        await world.watch.until(
+            lambda: _eq(world.watch.count_jobs("SUCCEEDED"), 1), "the honest job finished"
+        )
+        world.advance(120)
+        outcomes = await scaler.tick()
+        (scaled,) = applied(outcomes, Action.SCALE)
+        assert scaled.decision.replicas == 0, scaled.decision.reason
+        assert scaled.decision.figures["unplaced_leases"] == 4
+    # The honest node ran its job to the end: no ban, no drop, no move.
+    assert await world.watch.value(
+        "SELECT machine_id FROM leases WHERE end_reason = 'succeeded' AND job_id = $1::uuid",
+        honest_job,
+    ) == (honest.machine_id)
+    assert (
+        await world.watch.value(
+            "SELECT count(*) FROM bans WHERE machine_id = $1", honest.machine_id
+        )
+        == 0
+    )
+    assert not [a for a in world.double.actions if a[0] == "reallocate"]
+
+
+async def test_verified_machines_committing_implausibly_fast_are_nobodys_peers(
+    world: World,
+) -> None:
+    """Three provider-verified instances of the fleet (one holder's) commit checkpoints ten
+    thousand steps apart in milliseconds; the honest node trains at 0.1 s a step, a plausible
+    pace. Their observations are below the floor (0.05 s per 1024x1024 image step), so the
+    honest node has no peers to be judged against, and keeps its lease and instance."""
+    policy = PolicyConfig(max_replicas=4, slow_warmup_steps=10, cooldown_s=300)
+    scaler = world.scaler(policy)
+    await scaler.acquire()
+    go, peers_done = asyncio.Event(), asyncio.Event()
+
+    async def sprint(sim: FleetSim, w: SimWorker, lease: Lease) -> None:
+        await go.wait()
+        await w.store_checkpoint(lease, 1)
+        await w.store_checkpoint(lease, 10_001)
+        w.settled.set()
+        await w.release.wait()
+
+    async def train(sim: FleetSim, w: SimWorker, lease: Lease) -> None:
+        await w.store_checkpoint(lease, 1)
+        await peers_done.wait()
+        await asyncio.sleep(1.0)  # ten steps of training at 0.1 s a step
+        await w.store_checkpoint(lease, 11)
+        w.settled.set()
+        await w.release.wait()
+
+    honest: list[str] = []
+    sim = world.sim(lambda m: train if m in honest else sprint)
+    await world.submit(4, max_train_steps=20_000)
+    await scaler.tick()
+    world.advance(COLD_START_S)
+    honest.append(sorted(i.machine_id for i in world.double.instances.values())[0])
+    await sim.sync()
+    checkpoints = "SELECT count(*) FROM checkpoints"
+    await world.watch.until(lambda: _eq(world.watch.value(checkpoints), 1), "its first one")
+    go.set()
+    await world.watch.until(lambda: _eq(world.watch.value(checkpoints), 7), "the fast ones")
+    peers_done.set()
+    await world.watch.until(lambda: _eq(world.watch.value(checkpoints), 8), "its second one")
+    worker = sim.workers[honest[0]]
+    assert worker.lease is not None
+
+    outcomes = await scaler.tick()
+    assert not applied(outcomes, Action.DROP_LEASE), [o.decision.reason for o in outcomes]
+    assert not applied(outcomes, Action.REALLOCATE)
+    assert await world.watch.value(
+        "SELECT machine_id FROM jobs WHERE job_id = $1::uuid AND state = 'RUNNING'",
+        worker.lease.job_id,
+    ) == (worker.machine_id)
+    assert not [a for a in world.double.actions if a[0] == "reallocate"]
     for w in sim.workers.values():
         w.release.set()

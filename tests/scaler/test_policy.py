@@ -518,7 +518,7 @@ SLOW_CASES = [
             12.0,
             peers=[
                 *PEERS[:2],
-                node("p2", observations=tuple(seen(f"f{k}", 0.001) for k in range(50))),
+                node("p2", observations=tuple(seen(f"f{k}", 0.1) for k in range(50))),
             ],
         ),
         CFG,

@@ -327,13 +327,15 @@ async def test_a_slow_node_is_dropped_and_its_job_finishes_elsewhere_from_its_ch
     world: World,
 ) -> None:
     # Scripted workers run 20 steps between two checkpoints in milliseconds: their observed
-    # paces differ by timing noise alone, so "slow" here means a hundred times the median.
+    # paces differ by timing noise alone, so "slow" here means a hundred times the median, and
+    # no pace is too fast to be plausible.
     policy = PolicyConfig(
         max_replicas=4,
         slow_warmup_steps=10,
         slow_min_peers=3,
         slow_min_excess=100.0,
         cooldown_s=300,
+        min_plausible_seconds_per_step=1e-9,
     )
     scaler = world.scaler(policy)
     await scaler.acquire()

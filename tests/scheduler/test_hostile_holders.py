@@ -18,7 +18,7 @@ from lorafleet.scheduler.config import SchedulerConfig
 from lorafleet.scheduler.sessions import peer_source
 from tests.scheduler.test_sample_tasks import VALIDATION, settled, store_samples
 from tests.support.fleet import Fleet
-from tests.support.workers import connect_worker
+from tests.support.workers import connect_worker, local_identity
 
 
 async def _tasks(database_url: str, job_id: str) -> list[asyncpg.Record]:
@@ -231,6 +231,47 @@ async def test_hellos_are_bounded_per_worker_token(fleet: Fleet) -> None:
         # The connected worker is still served.
         await fleet.alice.submit()
         await honest.ready_for_lease()
+
+
+async def _verified_outcome(fleet: Fleet, machine_id: str, secret: str | None = None) -> str:
+    """As `_stream_outcome`, with the supervisor's proof of `machine_id` (signed with
+    `secret`; by default the scheduler's own)."""
+    identity = local_identity(secret or fleet.scheduler.identity_secret, machine_id)
+    try:
+        async with connect_worker(fleet.channel, fleet.token, machine_id, identity=identity):
+            return "welcome"
+    except grpc.aio.AioRpcError as exc:
+        name: str = exc.code().name
+        return name
+
+
+@pytest.mark.parametrize(
+    "scheduler_overrides",
+    [
+        {
+            "worker_hello_burst": 3,
+            "worker_hellos_per_s": 0.01,
+            "worker_hello_burst_per_verified_machine": 2,
+            "worker_hellos_per_verified_machine_per_min": 0.01,
+        }
+    ],
+)
+async def test_verified_hellos_have_their_own_budget(fleet: Fleet) -> None:
+    """A flood of unverified Hellos (from any number of addresses) spends the worker token's
+    budget, and forged proofs spend it too; a machine whose id a provider vouched for is charged
+    to its own budget and still gets in. Its own reconnect loop is bounded per machine."""
+    assert [await _stream_outcome(fleet, f"flood-{i}") for i in range(3)] == ["welcome"] * 3
+    assert await _stream_outcome(fleet, "flood-3") == "RESOURCE_EXHAUSTED"
+    # A forged proof is refused, and costs no verified machine's budget.
+    assert await _verified_outcome(fleet, "real-1", secret="forged") == "UNAUTHENTICATED"
+    assert [await _verified_outcome(fleet, "real-1") for _ in range(3)] == [
+        "welcome",
+        "welcome",
+        "RESOURCE_EXHAUSTED",
+    ]
+    assert await _verified_outcome(fleet, "real-2") == "welcome"
+    # Unverified Hellos are still refused: the token's budget is spent.
+    assert await _stream_outcome(fleet, "flood-4") == "RESOURCE_EXHAUSTED"
 
 
 @pytest.mark.parametrize("scheduler_overrides", [{"machine_retention_s": 30.0}])

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lorafleet.core.settings import ConfigError
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.scheduler.server import Scheduler
+from tests.support.artifacts import checkpoint_blob
 from tests.support.fleet import Fleet, scheduler_config
 from tests.support.jobs import WAIT_S
 from tests.support.workers import connect_worker
@@ -48,9 +49,10 @@ async def test_counters_move_with_the_events_that_drive_them(fleet: Fleet) -> No
     assert port > 0
     before = await scrape(port)
     job = await fleet.alice.submit()
+    checkpoint = checkpoint_blob(10)
     async with connect_worker(fleet.channel, fleet.token, "metrics-m1") as worker:
         granted = await worker.ready_for_lease()
-        await worker.store_checkpoint(granted.lease, step=10, data=b"x" * 1000)
+        await worker.store_checkpoint(granted.lease, step=10, data=checkpoint)
         await worker.heartbeat(granted.lease, step=11)
         # A message for a lease this stream does not hold: refused (stale).
         await worker.send(
@@ -78,7 +80,7 @@ async def test_counters_move_with_the_events_that_drive_them(fleet: Fleet) -> No
     assert delta("lorafleet_grants_total") == 1
     assert delta("lorafleet_grant_latency_seconds_count") == 1
     assert delta("lorafleet_checkpoints_committed_total") == 1
-    assert delta("lorafleet_checkpoint_bytes_committed_total") == 1000
+    assert delta("lorafleet_checkpoint_bytes_committed_total") == len(checkpoint)
     assert delta("lorafleet_stale_rejections_total") == 1
     assert delta("lorafleet_drains_total") == 1
     assert delta("lorafleet_requeues_total", reason="drained") == 1

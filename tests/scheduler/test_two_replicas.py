@@ -33,6 +33,7 @@ from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.storage import LocalObjectStore, LocalStoreConfig
+from tests.support.artifacts import lora_blob
 from tests.support.jobs import JobClient, spec
 from tests.support.workers import connect_worker
 
@@ -133,7 +134,7 @@ async def run_worker(
                         stats["drained"] += 1
                         await worker.send(draining=fpb.Draining(lease=ref, reason="spot"))
                         break
-                    lora = f"lora {granted.lease.job_id}".encode()
+                    lora = lora_blob(granted.lease.epoch)
                     async with http.put(granted.urls.result_upload.url, data=lora) as r:
                         assert r.status in (200, 201, 204)
                     await worker.send(

@@ -33,6 +33,7 @@ from lorafleet.scheduler.webhooks import (
     is_public,
     webhook_session,
 )
+from tests.support.artifacts import checkpoint_blob, lora_blob
 from tests.support.fleet import Fleet
 from tests.support.jobs import WAIT_S, JobClient, spec
 from tests.support.workers import connect_worker
@@ -143,7 +144,7 @@ async def _finish(fleet: Fleet, machine: str, checkpoint: bool = False) -> str:
                 )
             )
             (upload,) = (await worker.expect("urls_renewed")).urls.uploads
-            data = b"checkpoint"
+            data = checkpoint_blob(10)
             async with aiohttp.ClientSession() as http, http.put(upload.url, data=data):
                 pass
             await worker.send(
@@ -155,7 +156,7 @@ async def _finish(fleet: Fleet, machine: str, checkpoint: bool = False) -> str:
                     sha256=hashlib.sha256(data).hexdigest(),
                 )
             )
-        lora = b"lora"
+        lora = lora_blob()
         async with (
             aiohttp.ClientSession() as http,
             http.put(granted.urls.result_upload.url, data=lora),
@@ -195,7 +196,7 @@ async def test_key_default_webhook_is_signed_and_verifies(fleet: Fleet, receiver
     payload = json.loads(body)
     assert payload["event"] == "job.succeeded" and payload["job_id"] == job.job_id
     assert payload["state"] == "SUCCEEDED"
-    assert payload["result"]["sha256"] == hashlib.sha256(b"lora").hexdigest()
+    assert payload["result"]["sha256"] == hashlib.sha256(lora_blob()).hexdigest()
     assert headers["webhook-id"] == f"lfd_{payload['delivery_id']}"
     assert headers["Lorafleet-Event"] == "job.succeeded"
     # Standard Webhooks: the ready verifier accepts it with the secret `keys create` prints.

@@ -15,6 +15,7 @@ from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.signing import UrlSigner
+from tests.support.artifacts import checkpoint_blob, lora_blob
 from tests.support.fleet import Fleet
 from tests.support.workers import connect_worker
 
@@ -83,7 +84,7 @@ async def test_checkpoints_retention_and_success(fleet: Fleet) -> None:
             renewed = await worker.expect("urls_renewed")
             (upload,) = renewed.urls.uploads
             assert upload.key == checkpoint_key(job.job_id, step, 1)
-            data = f"state at {step}".encode()
+            data = checkpoint_blob(step)
             await _put(upload.url, data)
             await worker.send(
                 checkpoint_committed=fpb.CheckpointCommitted(
@@ -106,7 +107,7 @@ async def test_checkpoints_retention_and_success(fleet: Fleet) -> None:
         current = await fleet.alice.get(job.job_id)
         assert current.latest_checkpoint.step == 30
 
-        lora = b"lora weights"
+        lora = lora_blob()
         await _put(granted.urls.result_upload.url, lora)
         await worker.send(
             job_succeeded=fpb.JobSucceeded(
@@ -376,13 +377,13 @@ async def test_watch_streams_progress_until_final(fleet: Fleet) -> None:
     async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
         granted = await worker.ready_for_lease()
         await worker.heartbeat(granted.lease, 5, loss=0.5, seconds_per_step=2.0)
-        lora = b"x"
+        lora = lora_blob()
         await _put(granted.urls.result_upload.url, lora)
         await worker.send(
             job_succeeded=fpb.JobSucceeded(
                 lease=worker.ref(granted.lease),
                 key=granted.urls.result_upload.key,
-                size_bytes=1,
+                size_bytes=len(lora),
                 sha256=hashlib.sha256(lora).hexdigest(),
                 step=10,
             )
@@ -501,9 +502,9 @@ async def test_a_finished_jobs_unrecorded_objects_are_swept_from_storage(fleet: 
         (upload,) = (await worker.expect("urls_renewed")).urls.uploads
         await _put(upload.url, b"stored, never announced")
         await worker.store_checkpoint(granted.lease, 10)
-        await worker.store_result(granted, 40, b"the lora")
+        await worker.store_result(granted, 40, lora_blob(7))
         done = await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_SUCCEEDED)
     await fleet.scheduler.sweeper.sweep_once()
     left = [o.key for o in await store.list(f"jobs/{job.job_id}/")]
     assert left == [done.result.key]
-    assert await store.get_bytes(done.result.key) == b"the lora"
+    assert await store.get_bytes(done.result.key) == lora_blob(7)

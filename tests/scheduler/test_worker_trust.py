@@ -23,6 +23,7 @@ from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.server import Scheduler
 from lorafleet.scheduler.sessions import WorkerSession
+from tests.support.artifacts import lora_blob
 from tests.support.fleet import WORKER_TOKEN, Fleet, scheduler_config
 from tests.support.jobs import WAIT_S, JobClient
 from tests.support.workers import (
@@ -402,7 +403,7 @@ async def test_upload_urls_die_with_their_lease_and_stored_bytes_are_write_once(
     job = await fleet.alice.submit()
     async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
         granted = await worker.ready_for_lease()
-        await worker.store_checkpoint(granted.lease, 10, b"checkpoint at 10")
+        await worker.store_checkpoint(granted.lease, 10)
         await fleet.alice.wait_for(job.job_id, lambda j: j.latest_checkpoint.step == 10)
         ref = worker.ref(granted.lease)
         slot = fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_CHECKPOINT, step=10)
@@ -414,14 +415,14 @@ async def test_upload_urls_die_with_their_lease_and_stored_bytes_are_write_once(
         later = fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_CHECKPOINT, step=30)
         await worker.send(urls_requested=fpb.UrlsRequested(lease=ref, slots=[later]))
         (unused,) = (await worker.expect("urls_renewed")).urls.uploads
-        await worker.store_result(granted, 20, b"the lora")
+        await worker.store_result(granted, 20, lora_blob(7))
         await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_SUCCEEDED)
     # The lease ended: its result URL no longer works, and the result is as it was stored.
     async with aiohttp.ClientSession() as http:
         async with http.put(granted.urls.result_upload.url, data=b"forged") as r:
             assert r.status in (403, 412)
         result_key = granted.urls.result_upload.key
-    assert await fleet.scheduler.storage.get_bytes(result_key) == b"the lora"
+    assert await fleet.scheduler.storage.get_bytes(result_key) == lora_blob(7)
     # Nor does a URL of the ended lease that was never used, though it has not expired.
     async with aiohttp.ClientSession() as http, http.put(unused.url, data=b"late") as r:
         assert r.status == 403 and "has ended" in await r.text()

@@ -16,6 +16,7 @@ import grpc
 from lorafleet.core.identity import local_identity_token
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
+from tests.support.artifacts import checkpoint_blob, lora_blob
 from tests.support.jobs import WAIT_S
 
 # What a real worker remembers across its reconnects: the session token of its last stream
@@ -69,8 +70,12 @@ class ScriptedWorker:
     def ref(self, lease: fpb.Lease) -> fpb.LeaseRef:
         return fpb.LeaseRef(lease_id=lease.lease_id, epoch=lease.epoch)
 
-    async def store_checkpoint(self, lease: fpb.Lease, step: int, data: bytes = b"state") -> None:
-        """What a worker does for a checkpoint: ask for its URL, upload, then announce it."""
+    async def store_checkpoint(
+        self, lease: fpb.Lease, step: int, data: bytes | None = None
+    ) -> None:
+        """What a worker does for a checkpoint: ask for its URL, upload, then announce it.
+        `data`: the stored bytes (default: a well-formed checkpoint of `step`)."""
+        data = checkpoint_blob(step) if data is None else data
         slot = fpb.UploadSlot(kind=fpb.ARTIFACT_KIND_CHECKPOINT, step=step)
         await self.send(urls_requested=fpb.UrlsRequested(lease=self.ref(lease), slots=[slot]))
         (upload,) = (await self.expect("urls_renewed")).urls.uploads
@@ -86,9 +91,11 @@ class ScriptedWorker:
         )
 
     async def store_result(
-        self, granted: fpb.LeaseGranted, step: int, data: bytes = b"lora"
+        self, granted: fpb.LeaseGranted, step: int, data: bytes | None = None
     ) -> None:
-        """Upload the result to the grant's URL, then say the job succeeded."""
+        """Upload the result to the grant's URL, then say the job succeeded. `data`: the
+        stored bytes (default: a well-formed LoRA file)."""
+        data = lora_blob() if data is None else data
         await http_put(granted.urls.result_upload.url, data)
         await self.send(
             job_succeeded=fpb.JobSucceeded(

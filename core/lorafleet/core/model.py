@@ -49,6 +49,29 @@ class EventKind(enum.StrEnum):
     SAMPLES_STARTED = "SAMPLES_STARTED"
 
 
+# Text-encoder training costs about half a step more.
+_TEXT_ENCODER_FACTOR = 1.5
+# The fastest pace a verified observation may show, in seconds per 1024x1024 image step: about
+# five times faster than an H100 trains an SDXL LoRA (~0.25 s). An observation faster than this,
+# scaled to its shape, is a holder committing tiny checkpoints or garbage results, not training.
+MIN_PLAUSIBLE_S_PER_STEP = 0.05
+
+
+def shape_seconds_per_step(
+    base: float,
+    *,
+    resolution: int,
+    batch_size: int,
+    gradient_accumulation_steps: int = 1,
+    train_text_encoder: bool = False,
+) -> float:
+    """`base` seconds per 1024x1024 image step, scaled to a job shape: by pixels and images per
+    optimizer step, and 1.5 with text-encoder training (priors and plausibility floors)."""
+    images = batch_size * max(gradient_accumulation_steps, 1)
+    factor = _TEXT_ENCODER_FACTOR if train_text_encoder else 1.0
+    return base * (resolution / 1024) ** 2 * images * factor
+
+
 @dataclass(frozen=True, kw_only=True)
 class Progress:
     step: int
@@ -211,6 +234,13 @@ class IdentityProof:
     @property
     def present(self) -> bool:
         return bool(self.salad_jwt or self.ec2_document or self.local_token)
+
+
+# A checkpoint object's first bytes: this magic (its last byte the format version), then the
+# sha256 of the rest, then a safetensors file. Written by the worker (training/checkpoint.py),
+# checked by the scheduler before it records one (scheduler/formats.py).
+CHECKPOINT_MAGIC = b"LFCKPT\x00\x01"
+CHECKPOINT_DIGEST_BYTES = 32
 
 
 def checkpoint_key(job_id: str, step: int, epoch: int) -> str:

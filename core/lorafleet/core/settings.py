@@ -48,6 +48,9 @@ class ServiceSettings(BaseSettings):
         populate_by_name=True,
         validate_default=True,
         env_ignore_empty=True,
+        # nan passes no bound check, and fails every one with a misleading message: refused
+        # first, as not a number.
+        allow_inf_nan=False,
     )
     # Fields that are not options a user sets (built from others, or for tests only).
     not_flags: ClassVar[frozenset[str]] = frozenset()

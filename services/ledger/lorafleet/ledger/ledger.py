@@ -126,6 +126,18 @@ class ExpiredLease:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StalledLease:
+    """A lease revoked for making no verified progress (`stall_leases`)."""
+
+    job_id: str
+    lease_id: str
+    machine_id: str
+    epoch: int
+    job_state: JobState
+    silent_s: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class ApiKeyRecord:
     key_id: str
     owner: str
@@ -262,7 +274,9 @@ class PaceRecord:
 @dataclass(frozen=True, kw_only=True)
 class ScalerWork:
     queued: int
+    # Leases held by listed or provider-verified machines; `unplaced`: the others.
     running: int
+    unplaced: int
     last_finished_at: datetime | None
 
 
@@ -405,10 +419,14 @@ def checkpoint_from_row(row: asyncpg.Record) -> Checkpoint:
 @dataclass(frozen=True, kw_only=True)
 class Quarantine:
     """A machine with `threshold` node faults in the last `window_s` seconds is granted
-    nothing (no job, no sample task) until the window passes or the scaler replaces it."""
+    nothing (no job, no sample task) until the window passes or the scaler replaces it; so is
+    one with `empty_lease_limit` leases in the window that ended (dropped by a Ready, drained,
+    expired) without a checkpoint: taking and dropping leases collects their URLs and
+    delays their jobs, and an honest node rarely does it."""
 
     threshold: int = 3
     window_s: float = 3600.0
+    empty_lease_limit: int = 10
 
 
 class Ledger:
@@ -526,6 +544,7 @@ class Ledger:
         batch_size: int,
         gradient_accumulation_steps: int,
         train_text_encoder: bool,
+        min_seconds_per_step: float,
     ) -> ShapePace:
         row = await self._fetchrow(
             "pace_for_shape",
@@ -534,6 +553,7 @@ class Ledger:
             batch_size,
             gradient_accumulation_steps,
             train_text_encoder,
+            min_seconds_per_step,
         )
         assert row is not None
         return ShapePace(machines=row["machines"], seconds_per_step=row["seconds_per_step"])
@@ -669,6 +689,7 @@ class Ledger:
             secret_sha256,
             q.threshold,
             q.window_s,
+            q.empty_lease_limit,
             warm.resident,
             list(warm.compiled_shapes),
             warm_bound_s,
@@ -724,6 +745,20 @@ class Ledger:
                 lease_id=str(r["lease_id"]),
                 machine_id=r["machine_id"],
                 epoch=r["epoch"],
+            )
+            for r in rows
+        ]
+
+    async def stall_leases(self, progress_timeout_s: float) -> list[StalledLease]:
+        rows = await self._fetch("stall_leases", progress_timeout_s)
+        return [
+            StalledLease(
+                job_id=str(r["job_id"]),
+                lease_id=str(r["lease_id"]),
+                machine_id=r["machine_id"],
+                epoch=r["epoch"],
+                job_state=JobState(r["new_state"]),
+                silent_s=r["silent_s"],
             )
             for r in rows
         ]
@@ -815,6 +850,7 @@ class Ledger:
             secret_sha256,
             q.threshold,
             q.window_s,
+            q.empty_lease_limit,
         )
         return None if row is None else sample_task_from_row(row)
 
@@ -1125,11 +1161,15 @@ class Ledger:
             for r in await self._fetch("pace_observations", window_s, limit)
         ]
 
-    async def scaler_work(self) -> ScalerWork:
-        row = await self._fetchrow("scaler_work")
+    async def scaler_work(self, listed_machines: Sequence[str]) -> ScalerWork:
+        """Work for the fleet; `listed_machines`: the machine ids of the provider's instances."""
+        row = await self._fetchrow("scaler_work", list(listed_machines))
         assert row is not None
         return ScalerWork(
-            queued=row["queued"], running=row["running"], last_finished_at=row["last_finished_at"]
+            queued=row["queued"],
+            running=row["running"],
+            unplaced=row["unplaced"],
+            last_finished_at=row["last_finished_at"],
         )
 
     async def banned_queued_jobs(self, limit: int) -> list[BannedQueuedJob]:

@@ -12,6 +12,7 @@ from typing import Literal, Self
 
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 
+from lorafleet.core.model import MIN_PLAUSIBLE_S_PER_STEP
 from lorafleet.core.settings import ServiceSettings
 from lorafleet.scaler.ec2 import Ec2Config
 from lorafleet.scaler.policy import PolicyConfig
@@ -134,6 +135,13 @@ class ScalerSettings(ServiceSettings):
     )
     slow_min_excess: float = Field(
         0.25, ge=0, description="and at least this share slower than the peers' median"
+    )
+    min_plausible_seconds_per_step: float = Field(
+        MIN_PLAUSIBLE_S_PER_STEP,
+        gt=0,
+        description="the fastest pace a peer observation may show, in seconds per 1024x1024"
+        " image step (scaled by resolution and batch); faster ones (tiny checkpoints committed"
+        " fast) are nobody's peer. Default: about five times an H100's SDXL LoRA step",
     )
     reallocate_share: float = Field(
         0.1, ge=0, le=1, description="most reallocations per window, as a share of the fleet"

@@ -40,7 +40,9 @@ and its reports must never move that machine's instance.
      itself (past the warm-up): a worker's claim can convict only that worker.
    Drops are rate-limited like reallocations (their own count, the same allowance per
    `reallocate_window_s`); each DROP_LEASE row carries the observations behind it.
-4. **Replicas follow the work**: queued + running jobs (plus, while jobs queue, one for each
+4. **Replicas follow the work**: queued + running jobs (running: leases held by machines on a
+   listed instance or vouched for by a provider; a lease under a made-up machine id is no
+   node's work, and does not hold scale-in either) (plus, while jobs queue, one for each
    bad node the rate limit keeps in place: the scheduler quarantines it), clamped to
    [min, max], against the provider's replica count (instances still starting count).
    Growth is immediate, by at most `max_step` per tick. Shrinking waits `cooldown_s` after
@@ -72,6 +74,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from lorafleet.core.model import MIN_PLAUSIBLE_S_PER_STEP, shape_seconds_per_step
 from lorafleet.scaler.provider import COUNTED_STATES, LIVE_STATES, Instance, InstanceState
 
 FLEET = "fleet"
@@ -104,6 +107,9 @@ class PolicyConfig:
     # Distinct peer machines (one observation each per job shape) needed to judge a pace.
     slow_min_peers: int = 3
     slow_min_excess: float = 0.25
+    # The fastest plausible pace, in seconds per 1024x1024 image step (scaled per shape): a
+    # peer observation faster than that is a holder committing tiny checkpoints, not training.
+    min_plausible_seconds_per_step: float = MIN_PLAUSIBLE_S_PER_STEP
     reallocate_share: float = 0.1
     reallocate_window_s: float = 3600.0
     reallocate_min_per_window: int = 1
@@ -192,6 +198,9 @@ class Snapshot:
     # The queued jobs that have at least one banned machine (the others fit any node).
     banned_queued: tuple[QueuedJob, ...] = ()
     running_jobs: int = 0
+    # Leases left out of running_jobs: held by machine ids on no listed instance that no
+    # provider vouched for (made-up ids). Neither demand nor a reason to hold scale-in.
+    unplaced_leases: int = 0
     # When queued + running last became 0; None while there is work.
     idle_since: float | None = None
     recent_actions: tuple[PastAction, ...] = ()
@@ -420,8 +429,9 @@ def _stranded_jobs(fleet: _Fleet) -> tuple[int, list[Decision]]:
 
 def _peer_paces(fleet: _Fleet) -> dict[JobShape, dict[str, float]]:
     """Per job shape, one observed pace per live, verified machine: the median of its
-    observations that span the warm-up. Departed machines and unverified streams count for
-    nothing, and a machine with many leases counts no more than one with a single lease."""
+    observations that span the warm-up and are not faster than the plausibility floor.
+    Departed machines and unverified streams count for nothing, and a machine with many leases
+    counts no more than one with a single lease."""
     c = fleet.c
     paces: dict[JobShape, dict[str, list[float]]] = {}
     for _inst, node in fleet.live_with_nodes():
@@ -430,6 +440,14 @@ def _peer_paces(fleet: _Fleet) -> dict[JobShape, dict[str, float]]:
         for o in node.observations:
             if o.observed_seconds_per_step is None or o.observed_steps < c.slow_warmup_steps:
                 continue
+            floor = shape_seconds_per_step(
+                c.min_plausible_seconds_per_step,
+                resolution=o.shape.resolution,
+                batch_size=o.shape.batch_size,
+                train_text_encoder=o.shape.train_text_encoder,
+            )
+            if o.observed_seconds_per_step < floor:
+                continue  # implausibly fast: checkpoints committed, no training done
             paces.setdefault(o.shape, {}).setdefault(node.machine_id, []).append(
                 o.observed_seconds_per_step
             )
@@ -597,6 +615,7 @@ def _scale(fleet: _Fleet, stranded_extra: int) -> list[Decision]:
         "stopping": stopping,
         "bad_held": quarantined,
         "busy_instances": busy_seen,
+        "unplaced_leases": s.unplaced_leases,
         "min": c.min_replicas,
         "max": c.max_replicas,
     }

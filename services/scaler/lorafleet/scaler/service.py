@@ -346,7 +346,11 @@ class Scaler(AsyncLifecycle):
         instances = tuple(await self._provider.list_instances())
         replicas = await self._provider.replicas()
         c = self._policy
-        work = await self._ledger.scaler_work()
+        # The machines the provider lists now, and no others: one that left is nobody's peer,
+        # and a lease under a machine id on no instance (unless a provider vouched for it) is
+        # no node's work.
+        ids = sorted({i.machine_id for i in instances if i.machine_id})
+        work = await self._ledger.scaler_work(ids)
         paces = await self._ledger.pace_observations(self._observation_window_s, _MAX_OBSERVATIONS)
         by_machine: dict[str, list[PaceObservation]] = defaultdict(list)
         for p in paces:
@@ -373,8 +377,6 @@ class Scaler(AsyncLifecycle):
                     reported_steps=p.reported_steps,
                 )
             )
-        # The machines the provider lists now, and no others: one that left is nobody's peer.
-        ids = sorted({i.machine_id for i in instances if i.machine_id})
         records = (
             await self._ledger.list_nodes(ids, fault_window_s=c.fault_window_s, limit=len(ids))
             if ids
@@ -414,6 +416,7 @@ class Scaler(AsyncLifecycle):
                 for b in banned
             ),
             running_jobs=work.running,
+            unplaced_leases=work.unplaced,
             idle_since=idle_since,
             recent_actions=tuple(
                 PastAction(at=a.at, action=Action(a.action), target=a.target, job_id=a.job_id)

@@ -16,14 +16,16 @@ A map of the worker stream, for the questions a newcomer asks first:
 Where a worker connects.
     `WorkerServicer.Connect` bounds streams per peer address (`WorkerHandler.admit_stream`,
     `sessions.StreamGate`), checks the worker token (`auth.check_worker_token`), reads the
-    Hello within `hello_timeout_s`, decodes it (`serde.hello_from_proto`), bounds Hellos per
-    worker token (`admit_hello`) and calls `WorkerHandler.connect`: the machine id is claimed
-    for this stream (`Ledger.claim_machine_session`), the machine recorded (`upsert_machine`),
-    sample tasks it held given back (`release_machine_sample_tasks`), a held lease resumed if
-    the worker presents its secret (`resume_lease`), and the session registered
-    (`WorkerSessions.add`). Then `Connect` runs two loops: it reads each message
-    (`WorkerServicer._receive`: rate bound, decode, one handler method) and writes the
-    session's outbox. When either ends, `WorkerHandler.disconnected` closes the session.
+    Hello within `hello_timeout_s`, decodes it (`serde.hello_from_proto`) and calls
+    `WorkerHandler.connect`: the provider's proof of the machine id is verified, Hellos are
+    bounded (`StreamGate.admit_hello`: per verified machine, else per worker token), the
+    machine id is claimed for this stream (`Ledger.claim_machine_session`), the machine
+    recorded (`upsert_machine`), sample tasks it held given back
+    (`release_machine_sample_tasks`), a held lease resumed if the worker presents its secret
+    (`resume_lease`), and the session registered (`WorkerSessions.add`). Then `Connect` runs
+    two loops: it reads each message (`WorkerServicer._receive`: rate bound, decode, one
+    handler method) and writes the session's outbox. When either ends,
+    `WorkerHandler.disconnected` closes the session.
 
 Where a lease is granted.
     `Dispatcher.offer`, for one idle session: `Ledger.claim_job` (the `claim_job` query in

@@ -13,6 +13,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, AliasChoices, Field, model_validator
 
+from lorafleet.core.model import MIN_PLAUSIBLE_S_PER_STEP
 from lorafleet.core.settings import ServiceSettings
 from lorafleet.scheduler.identity import SALAD_JWKS_URL
 from lorafleet.scheduler.job_handler import PRIOR_S_PER_STEP
@@ -94,8 +95,9 @@ class SchedulerConfig(ServiceSettings):
         ge=0,
         le=1_000_000,
         description="Hellos per second accepted per worker token on average, past"
-        " --worker-hello-burst. Every worker of a fleet shares one token, so this bounds the"
-        " whole fleet's connection rate (per replica); an honest fleet reconnects once per"
+        " --worker-hello-burst, from machines no provider vouched for (and Hellos whose proof"
+        " failed). Every worker of a fleet shares one token, so this bounds the whole fleet's"
+        " unverified connection rate (per replica); an honest fleet reconnects once per"
         " restart or network blip; 0: no bound",
     )
     worker_hello_burst: int = Field(
@@ -104,6 +106,21 @@ class SchedulerConfig(ServiceSettings):
         le=1_000_000,
         description="Hellos per worker token at once: keep it above the fleet's size, so every"
         " worker can reconnect at once after a scheduler restart",
+    )
+    worker_hellos_per_verified_machine_per_min: float = Field(
+        12.0,
+        ge=0,
+        le=1_000_000,
+        description="Hellos per minute of one provider-verified machine on average, past"
+        " --worker-hello-burst-per-verified-machine. Verified Hellos are charged here and not to"
+        " the worker token's budget, so a flood of unverified streams cannot delay them; 0: no"
+        " bound",
+    )
+    worker_hello_burst_per_verified_machine: int = Field(
+        6,
+        ge=1,
+        le=1_000_000,
+        description="Hellos of one provider-verified machine at once",
     )
     worker_log_lines_per_peer_per_min: float = Field(
         60.0,
@@ -120,6 +137,17 @@ class SchedulerConfig(ServiceSettings):
         description="seconds after which a machine seen last that long ago, never verified by a"
         " provider and named by no lease, ban or sample task, is deleted from the node registry"
         " (the rows of a reconnect loop's made-up machine ids); at least --lease-ttl-s",
+    )
+    lease_progress_timeout_s: float = Field(
+        1800.0,
+        ge=1,
+        le=7 * 86400.0,
+        description="seconds a lease may hold a job without verified progress (its grant, then a"
+        " checkpoint the store verified past the next multiple of the job's checkpointing_steps)"
+        " before it is revoked as a node fault; heartbeats are not progress. This is the bound"
+        " for a job checkpointing every 100 steps (the default): model load plus one interval"
+        " on the slowest node; longer intervals scale it, and each 100 class images to generate"
+        " adds as much again",
     )
     quarantine_fault_threshold: int = Field(
         3,
@@ -171,6 +199,14 @@ class SchedulerConfig(ServiceSettings):
         description="the shortest automatic checkpoint interval, in steps (the longest is the"
         " job's max_train_steps)",
     )
+    quarantine_empty_leases: int = Field(
+        10,
+        ge=1,
+        le=100_000,
+        description="leases within the quarantine window that ended without a checkpoint"
+        " (given up by saying Ready, drained, expired) after which a machine is granted nothing"
+        " until the window passes: taking and dropping leases collects their input URLs",
+    )
     checkpoint_retention: int = Field(
         3, ge=1, le=1000, description="checkpoints kept per running job (newest first)"
     )
@@ -178,13 +214,21 @@ class SchedulerConfig(ServiceSettings):
         3600,
         ge=1,
         le=7 * 86400,
-        description="lifetime of presigned URLs users get and leases read with",
+        description="lifetime of presigned URLs users get",
     )
     lease_put_ttl_s: int = Field(
         300,
         ge=1,
         le=86400,
         description="lifetime of a lease's upload URLs (renewed on heartbeats while it lives)",
+    )
+    lease_get_ttl_s: int = Field(
+        300,
+        ge=1,
+        le=86400,
+        description="lifetime of a lease's read URLs (instance and class images, checkpoints),"
+        " renewed on heartbeats while it lives; the local store also refuses them once the"
+        " lease ends, S3 at this TTL",
     )
     # Object storage: S3 when a bucket is named, else the embedded local store.
     s3_bucket: str = Field("", description="S3 bucket; empty: the embedded local store")
@@ -235,6 +279,15 @@ class SchedulerConfig(ServiceSettings):
         description="what spend limits assume per step of a shape not measured yet: seconds per"
         " 1024x1024 image (scaled by resolution, batch, accumulation; x1.5 with text-encoder"
         " training)",
+    )
+    min_plausible_seconds_per_step: float = Field(
+        MIN_PLAUSIBLE_S_PER_STEP,
+        gt=0,
+        le=3600,
+        description="the fastest pace a verified completion may show, in seconds per 1024x1024"
+        " image step (scaled to each job shape like the prior); faster ones are garbage stored"
+        " fast, not training, and count for no estimate or spend limit. Default: about five"
+        " times an H100's SDXL LoRA step",
     )
     webhook_max_attempts: int = Field(8, ge=1, le=100, description="webhook delivery attempts")
     webhook_backoff_s: float = Field(
@@ -294,10 +347,13 @@ class SchedulerConfig(ServiceSettings):
             # A machine id is held for its stream until a TTL of silence; its row must outlive
             # that, or a stranger could take the id sooner than the rule allows.
             raise ValueError("machine_retention_s must be at least lease_ttl_s")
-        if self.heartbeat_interval_s * 3 > min(self.lease_put_ttl_s, self.url_ttl_s):
-            # Upload URLs are renewed on a heartbeat once a third of their life is left.
+        if self.heartbeat_interval_s * 3 > min(
+            self.lease_put_ttl_s, self.lease_get_ttl_s, self.url_ttl_s
+        ):
+            # A lease's URLs are renewed on a heartbeat once a third of their life is left.
             raise ValueError(
-                "heartbeat_interval_s must be at most a third of lease_put_ttl_s and url_ttl_s"
+                "heartbeat_interval_s must be at most a third of lease_put_ttl_s,"
+                " lease_get_ttl_s and url_ttl_s"
             )
         return self
 

@@ -239,6 +239,7 @@ class Dispatcher:
                 urls_expire_at=0.0,
                 traceparent=traceparent_of(span),
                 output_format=job.spec.output_format,
+                max_train_steps=job.spec.max_train_steps,
             )
             lease = session.lease
             span.set_attributes(lease_attributes(lease, session))

@@ -15,7 +15,15 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from lorafleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
-from lorafleet.core.model import Job, JobEvent, JobState, SampleSettings, upload_key
+from lorafleet.core.model import (
+    MIN_PLAUSIBLE_S_PER_STEP,
+    Job,
+    JobEvent,
+    JobState,
+    SampleSettings,
+    shape_seconds_per_step,
+    upload_key,
+)
 from lorafleet.core.spec import JobSpec, check_path, check_sample_settings
 from lorafleet.ledger.ledger import Ledger, NewJob, WebhookDeliveryRecord
 from lorafleet.scheduler.notifications import Notifications
@@ -38,21 +46,6 @@ MAX_UPLOAD_FILES = 1000
 # made of (an RTX 4090 runs 0.7 to 1 s, a 3090 1.3 to 1.5 s), erring slow: a prior that is too
 # high refuses a submit a measurement would admit, one that is too low lets a key overrun.
 PRIOR_S_PER_STEP = 1.5
-_TEXT_ENCODER_FACTOR = 1.5
-
-
-def prior_seconds_per_step(
-    base: float,
-    *,
-    resolution: int,
-    batch_size: int,
-    gradient_accumulation_steps: int,
-    train_text_encoder: bool,
-) -> float:
-    """The prior pace of a shape: `base` scaled by pixels and images per optimizer step."""
-    images = batch_size * max(gradient_accumulation_steps, 1)
-    factor = _TEXT_ENCODER_FACTOR if train_text_encoder else 1.0
-    return base * (resolution / 1024) ** 2 * images * factor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,11 +112,13 @@ class JobHandler:
         estimate_window_s: float = 7 * 86400.0,
         estimate_min_machines: int = 3,
         estimate_prior_s_per_step: float = PRIOR_S_PER_STEP,
+        min_plausible_s_per_step: float = MIN_PLAUSIBLE_S_PER_STEP,
     ) -> None:
         self._price_per_gpu_hour = price_per_gpu_hour
         self._estimate_window_s = estimate_window_s
         self._estimate_min_machines = estimate_min_machines
         self._estimate_prior_s_per_step = estimate_prior_s_per_step
+        self._min_plausible_s_per_step = min_plausible_s_per_step
         self._ledger = ledger
         self._storage = storage
         self._signer = signer
@@ -177,14 +172,23 @@ class JobHandler:
     ) -> Pace:
         """The fleet's pace on a job shape from verified completions only (the ledger's clock
         from grant to a result the store verified, one figure per provider-verified machine,
-        their median): what a worker says of its own speed never prices anyone's job. Below
-        `estimate_min_machines` machines, the prior."""
+        their median): what a worker says of its own speed never prices anyone's job. A
+        completion faster than the plausibility floor (`min_plausible_s_per_step` scaled to the
+        shape) is no training and counts for nothing. Below `estimate_min_machines` machines,
+        the prior."""
         measured = await self._ledger.pace_for_shape(
             window_s=self._estimate_window_s,
             resolution=resolution,
             batch_size=batch_size,
             gradient_accumulation_steps=gradient_accumulation_steps,
             train_text_encoder=train_text_encoder,
+            min_seconds_per_step=shape_seconds_per_step(
+                self._min_plausible_s_per_step,
+                resolution=resolution,
+                batch_size=batch_size,
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                train_text_encoder=train_text_encoder,
+            ),
         )
         if measured.machines >= self._estimate_min_machines and measured.seconds_per_step > 0:
             return Pace(
@@ -192,7 +196,7 @@ class JobHandler:
                 machines=measured.machines,
                 measured=True,
             )
-        prior = prior_seconds_per_step(
+        prior = shape_seconds_per_step(
             self._estimate_prior_s_per_step,
             resolution=resolution,
             batch_size=batch_size,

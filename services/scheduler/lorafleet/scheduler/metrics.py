@@ -28,7 +28,7 @@ GRANT_LATENCY = Histogram(
 LEASE_EXPIRIES = Counter("lorafleet_lease_expiries", "Leases expired by this replica's sweeper")
 REQUEUES = Counter(
     "lorafleet_requeues",
-    "Jobs put back in the queue, by why (expired, drained, failed attempt)",
+    "Jobs put back in the queue, by why (expired, stalled, drained, failed attempt)",
     ["reason"],
 )
 SAMPLE_TASKS = Counter(

@@ -162,7 +162,9 @@ class Scheduler(AsyncLifecycle):
         self._ledger = await Ledger.connect(
             self.database_url,
             quarantine=Quarantine(
-                threshold=cfg.quarantine_fault_threshold, window_s=cfg.quarantine_window_s
+                threshold=cfg.quarantine_fault_threshold,
+                window_s=cfg.quarantine_window_s,
+                empty_lease_limit=cfg.quarantine_empty_leases,
             ),
         )
         if filled := await self._ledger.fill_warm_keys():
@@ -178,6 +180,7 @@ class Scheduler(AsyncLifecycle):
             ledger=self._ledger,
             url_ttl_s=cfg.url_ttl_s,
             lease_put_ttl_s=cfg.lease_put_ttl_s,
+            lease_get_ttl_s=cfg.lease_get_ttl_s,
         )
         self._sweeper = Sweeper(
             ledger=self._ledger,
@@ -186,6 +189,7 @@ class Scheduler(AsyncLifecycle):
             replica_id=self.scheduler_id,
             upload_url_ttl_s=cfg.lease_put_ttl_s,
             machine_retention_s=cfg.machine_retention_s,
+            lease_progress_timeout_s=cfg.lease_progress_timeout_s,
         )
         # Before anything can expire a lease: if every replica was down, the workers get a TTL
         # from now to reconnect in (the outage was not theirs).
@@ -212,6 +216,8 @@ class Scheduler(AsyncLifecycle):
                     stream_burst_per_peer=cfg.worker_stream_burst_per_peer,
                     hellos_per_token_per_s=cfg.worker_hellos_per_s,
                     hello_burst_per_token=cfg.worker_hello_burst,
+                    hellos_per_verified_machine_per_min=cfg.worker_hellos_per_verified_machine_per_min,
+                    hello_burst_per_verified_machine=cfg.worker_hello_burst_per_verified_machine,
                     log_lines_per_peer_per_min=cfg.worker_log_lines_per_peer_per_min,
                     log_burst_per_peer=max(1, round(2 * cfg.worker_log_lines_per_peer_per_min)),
                 )
@@ -228,6 +234,7 @@ class Scheduler(AsyncLifecycle):
             estimate_window_s=cfg.estimate_window_s,
             estimate_min_machines=cfg.estimate_min_machines,
             estimate_prior_s_per_step=cfg.estimate_prior_s_per_step,
+            min_plausible_s_per_step=cfg.min_plausible_seconds_per_step,
         )
         background = BackgroundTasks()
         self._dispatcher = Dispatcher(

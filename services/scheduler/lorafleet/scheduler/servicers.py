@@ -405,8 +405,9 @@ class WorkerServicer(fgrpc.WorkerServiceServicer):
             if first.WhichOneof("message") != "hello":
                 raise InvalidArgument("hello", "the first message on the stream must be Hello")
             hello = hello_from_proto(first.hello)
-            self._handler.admit_hello(bearer(metadata))
-            session = await self._handler.connect(hello, source=source)
+            session = await self._handler.connect(
+                hello, worker_token=bearer(metadata), source=source
+            )
         except (TimeoutError, StopAsyncIteration):
             self._handler.refused(source, "hello: not received in time")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "hello: not received in time")

@@ -14,6 +14,7 @@ import enum
 import ipaddress
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -57,6 +58,11 @@ class ActiveLease:
     traceparent: str = ""
     # The job's output_format: which result files its JobSucceeded must announce.
     output_format: str = "diffusers"
+    # The job's max_train_steps: no heartbeat of a training lease reports a later step.
+    max_train_steps: int = 0
+    # The tensors (name -> shape) every checkpoint of the job must have: the earlier verified
+    # checkpoints', learnt at this lease's first (formats.py).
+    checkpoint_layout: Mapping[str, tuple[int, ...]] | None = None
 
 
 @dataclass(kw_only=True)
@@ -136,6 +142,10 @@ class GateBounds:
     # bound: the burst lets every worker of a large fleet reconnect at once after a restart.
     hellos_per_token_per_s: float = 20.0
     hello_burst_per_token: int = 2000
+    # Hellos of one provider-verified machine: their own budget, so that a flood of unverified
+    # Hellos (from any number of addresses) spending the token's cannot keep real machines out.
+    hellos_per_verified_machine_per_min: float = 12.0
+    hello_burst_per_verified_machine: int = 6
     # Log lines about one source's streams (connects, disconnects, refusals, notices).
     log_lines_per_peer_per_min: float = 60.0
     log_burst_per_peer: int = 120
@@ -178,6 +188,10 @@ class StreamGate:
         self._hellos = KeyedBuckets(
             rate_per_s=b.hellos_per_token_per_s, burst=b.hello_burst_per_token, max_keys=100
         )
+        self._verified_hellos = KeyedBuckets(
+            rate_per_s=b.hellos_per_verified_machine_per_min / 60.0,
+            burst=b.hello_burst_per_verified_machine,
+        )
         self._lines = KeyedBuckets(
             rate_per_s=b.log_lines_per_peer_per_min / 60.0, burst=b.log_burst_per_peer
         )
@@ -191,14 +205,31 @@ class StreamGate:
                 f" {self.bounds.streams_per_peer_per_min:g} per minute from {source}"
             )
 
-    def admit_hello(self, token_key: str) -> None:
+    def admit_hello(self, token_key: str, *, verified_machine: str = "") -> None:
         """A Hello under the worker token `token_key` (a digest, never the token); raises
-        ResourceExhausted past the token's rate."""
-        if self.bounds.hellos_per_token_per_s and not self._hellos.take(token_key):
+        ResourceExhausted past its budget. A Hello whose machine id a provider vouched for
+        (`verified_machine`: the provider and the id) is charged to that machine's own budget;
+        any other to the token's, which every unverified stream shares."""
+        b = self.bounds
+        if verified_machine:
+            rate = b.hellos_per_verified_machine_per_min
+            if rate and not self._verified_hellos.take(verified_machine):
+                raise ResourceExhausted(
+                    f"hello: more than {b.hello_burst_per_verified_machine} Hellos at once or"
+                    f" {rate:g} per minute from this machine"
+                )
+            return
+        if b.hellos_per_token_per_s and not self._hellos.take(token_key):
             raise ResourceExhausted(
-                f"hello: more than {self.bounds.hellos_per_token_per_s:g} Hellos per second"
+                f"hello: more than {b.hellos_per_token_per_s:g} Hellos per second"
                 " under this worker token"
             )
+
+    def spend_hello(self, token_key: str) -> None:
+        """A Hello refused for its proof of identity costs the token's budget all the same:
+        forgeries cost what unverified Hellos cost, never a verified machine's budget."""
+        if self.bounds.hellos_per_token_per_s:
+            self._hellos.take(token_key)
 
     def log(self, source: str) -> SourceLog:
         return SourceLog(self, source)

@@ -7,7 +7,10 @@ only the job's recorded objects. Workers hold no storage credentials.
 
 A lease's PUT URLs (its result, checkpoint and artifact slots) are write-once and bound to the
 lease (`lease_id`): the local store refuses them the moment the lease ends; on S3, which cannot
-ask, they live only `lease_put_ttl_s` (minutes) and are renewed with the lease's URL set. Users'
+ask, they live only `lease_put_ttl_s` (minutes) and are renewed with the lease's URL set. Its
+GET URLs (the job's instance and class images, recorded class images, checkpoints) are bound
+the same way and live `lease_get_ttl_s`: a holder that gives its lease up (or takes lease after
+lease only to collect URLs) keeps nothing to read with for longer than that. Users'
 data-upload URLs stay replaceable: they write only the user's own namespace, and the client
 sends no `If-None-Match` (which S3 would require of a write-once URL).
 """
@@ -56,13 +59,15 @@ class Artifacts:
 # does, at once). Well above a heartbeat interval, so renewals on heartbeats keep a live lease's
 # URLs fresh, and short enough that a URL leaked by a lease that ended dies soon.
 DEFAULT_LEASE_PUT_TTL_S = 300
+# Likewise a lease's GET URLs: renewed with the set while the lease lives.
+DEFAULT_LEASE_GET_TTL_S = 300
 
 
 class UrlSigner:
     """Signs every URL the scheduler hands out.
 
-    `url_ttl_s` (kept as `long_url_ttl_s`): the lifetime of users' URLs and of the URLs a lease
-    reads with. `lease_put_ttl_s`: the lifetime of a lease's PUT URLs (at most `url_ttl_s`).
+    `url_ttl_s` (kept as `long_url_ttl_s`): the lifetime of users' URLs. `lease_put_ttl_s` and
+    `lease_get_ttl_s`: the lifetimes of a lease's PUT and GET URLs (each at most `url_ttl_s`).
     """
 
     def __init__(
@@ -72,19 +77,21 @@ class UrlSigner:
         ledger: Ledger,
         url_ttl_s: int,
         lease_put_ttl_s: int = DEFAULT_LEASE_PUT_TTL_S,
+        lease_get_ttl_s: int = DEFAULT_LEASE_GET_TTL_S,
     ) -> None:
-        if url_ttl_s < 1 or lease_put_ttl_s < 1:
-            raise ValueError("url_ttl_s and lease_put_ttl_s must be at least 1 s")
+        if min(url_ttl_s, lease_put_ttl_s, lease_get_ttl_s) < 1:
+            raise ValueError("url_ttl_s, lease_put_ttl_s and lease_get_ttl_s must be at least 1 s")
         self._storage = storage
         self._ledger = ledger
         self.long_url_ttl_s = url_ttl_s
         self.lease_put_ttl_s = min(lease_put_ttl_s, url_ttl_s)
+        self.lease_get_ttl_s = min(lease_get_ttl_s, url_ttl_s)
 
     @property
     def lease_urls_ttl_s(self) -> int:
-        """How long a set from `lease_urls` stays usable: its shortest URL, the result PUT.
-        Renew the set well before this (WorkerHandler renews at a third left)."""
-        return self.lease_put_ttl_s
+        """How long a set from `lease_urls` stays usable: its shortest URL. Renew the set well
+        before this (WorkerHandler renews at a third left)."""
+        return min(self.lease_put_ttl_s, self.lease_get_ttl_s)
 
     # For a lease (the worker's side) ---------------------------------------------------------
 
@@ -92,14 +99,16 @@ class UrlSigner:
         """Everything a lease starts with: its inputs to read, resumable checkpoints, and the
         result key of this epoch to write (write-once, bound to the lease)."""
         lease_id = _lease_id(job)
-        ttl = self.long_url_ttl_s
         spec = job.spec
+
+        async def get(key: str) -> SignedUrl:
+            return await self._storage.presign_get(
+                key, ttl_s=self.lease_get_ttl_s, lease_id=lease_id
+            )
 
         async def listed(base: str) -> list[fpb.FileUrl]:
             objects = await self._storage.list(base)
-            signed = await asyncio.gather(
-                *(self._storage.presign_get(o.key, ttl_s=ttl) for o in objects)
-            )
+            signed = await asyncio.gather(*(get(o.key) for o in objects))
             return [
                 fpb.FileUrl(name=o.key.removeprefix(base), key=o.key, url=s.url)
                 for o, s in zip(objects, signed, strict=True)
@@ -115,15 +124,13 @@ class UrlSigner:
             # store verified them), with their checksums for the worker to check. Whatever else
             # a holder left under the job's prefix is never listed.
             recorded = await self._ledger.recorded_class_images(job.job_id, job.epoch)
-            gets = await asyncio.gather(
-                *(self._storage.presign_get(image.key, ttl_s=ttl) for image in recorded)
-            )
+            gets = await asyncio.gather(*(get(image.key) for image in recorded))
             urls.generated_class_images.extend(
                 fpb.ClassImageDownload(image=class_image_to_proto(image), url=signed.url)
                 for image, signed in zip(recorded, gets, strict=True)
             )
         for checkpoint in await self._ledger.live_checkpoints(job.job_id):
-            signed = await self._storage.presign_get(checkpoint.key, ttl_s=ttl)
+            signed = await get(checkpoint.key)
             urls.checkpoints.append(
                 fpb.CheckpointDownload(checkpoint=checkpoint_to_proto(checkpoint), url=signed.url)
             )
@@ -171,7 +178,12 @@ class UrlSigner:
         if task.lease_id is None:
             raise ValueError(f"sample task {task.task_id} holds no lease: no URLs to sign")
         lease_id = task.lease_id
-        weights = await self._storage.presign_get(task.weights_key, ttl_s=self.long_url_ttl_s)
+        # Bound to the task's lease (the local store refuses it once the task ends); it keeps
+        # the long TTL, since the worker reads it once, after loading its model, and a task's
+        # URLs are never renewed.
+        weights = await self._storage.presign_get(
+            task.weights_key, ttl_s=self.long_url_ttl_s, lease_id=lease_id
+        )
         slots = sample_slots(task.settings)
         keys = [
             sample_image_key(task.job_id, task.step, task.task_id, task.epoch, p, i)

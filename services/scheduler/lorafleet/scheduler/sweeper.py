@@ -1,4 +1,5 @@
-"""The sweeper: expires lapsed leases and applies checkpoint retention. Safe on every replica.
+"""The sweeper: expires lapsed leases, revokes stalled ones (no verified progress) and applies
+checkpoint retention. Safe on every replica.
 
 Every step is one ledger statement that locks what it changes (`FOR UPDATE SKIP LOCKED`), so
 replicas sweeping at once never do a thing twice. A sweep that meets an unavailable ledger or
@@ -15,6 +16,7 @@ from collections.abc import Collection
 import structlog
 
 from lorafleet.core.errors import is_retryable
+from lorafleet.core.model import JobState
 from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler import metrics
 from lorafleet.scheduler.storage import ObjectStore
@@ -32,6 +34,7 @@ class Sweeper:
         replica_id: str,
         upload_url_ttl_s: float,
         machine_retention_s: float = 3600.0,
+        lease_progress_timeout_s: float = 1800.0,
     ) -> None:
         self._ledger = ledger
         self._storage = storage
@@ -45,6 +48,9 @@ class Sweeper:
         self._machine_retention_s = machine_retention_s
         self._machines_every_s = min(60.0, machine_retention_s / 10)
         self._machines_next = 0.0
+        # A lease that holds a job without verified progress (heartbeats alone) for this long
+        # (scaled per job by the ledger: `stall_leases`) is revoked as a node fault.
+        self._lease_progress_timeout_s = lease_progress_timeout_s
 
     async def sweep_once(self) -> None:
         # This replica is alive: a replica starting later knows the fleet was not all down.
@@ -58,6 +64,19 @@ class Sweeper:
                 lease_id=expired.lease_id,
                 machine_id=expired.machine_id,
                 epoch=expired.epoch,
+            )
+        for stalled in await self._ledger.stall_leases(self._lease_progress_timeout_s):
+            metrics.ATTEMPT_FAILURES.labels("NODE").inc()
+            if stalled.job_state is JobState.QUEUED:
+                metrics.REQUEUES.labels("stalled").inc()
+            log.warning(
+                "lease made no verified progress; revoked as a node fault",
+                job_id=stalled.job_id,
+                lease_id=stalled.lease_id,
+                machine_id=stalled.machine_id,
+                epoch=stalled.epoch,
+                silent_s=stalled.silent_s,
+                job_state=stalled.job_state.value,
             )
         for task_id in await self._ledger.expire_sample_tasks():
             log.warning("sample task lease expired; task re-queued", task_id=task_id)

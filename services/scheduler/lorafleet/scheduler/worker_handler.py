@@ -5,7 +5,8 @@ Every message about a lease is fenced twice: by the stream (`WorkerSession.holds
 are not secret, and only the stream a lease was granted on may speak for it) and by the ledger
 (the lease and epoch must still be the job's). A message that fails either is refused with
 `Rejected`, and the worker drops the lease. Objects a worker announces (checkpoints, results,
-images) are recorded only once the store holds exactly what was announced.
+images) are recorded only once the store holds exactly what was announced, and checkpoints and
+results only in their format (`formats.py`: safetensors headers read with ranged reads).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import time
 import structlog
 from opentelemetry import trace
 
-from lorafleet.core.errors import AlreadyExists, StaleLease
-from lorafleet.core.model import FailureClass, Job, JobState, LeaseRef
+from lorafleet.core.errors import AlreadyExists, InvalidArgument, StaleLease, Unauthenticated
+from lorafleet.core.model import Checkpoint, FailureClass, Job, JobState, LeaseRef
 from lorafleet.core.serde import (
     CheckpointReport,
     ClassImagesReport,
@@ -46,6 +47,12 @@ from lorafleet.scheduler.dispatcher import (
     lease_attributes,
     lease_proto,
     trace_context,
+)
+from lorafleet.scheduler.formats import (
+    BadFormat,
+    check_lora_file,
+    checkpoint_layout,
+    layout_difference,
 )
 from lorafleet.scheduler.identity import IdentityVerifiers
 from lorafleet.scheduler.sessions import ActiveLease, SessionState, WorkerSession, WorkerSessions
@@ -93,25 +100,37 @@ class WorkerHandler:
         ResourceExhausted past the source's rate, before anything else is done for it."""
         self._sessions.gate.admit_stream(source)
 
-    def admit_hello(self, worker_token: str) -> None:
-        """A Hello under a valid worker token: refused past the token's rate, before its
-        identity is verified or the ledger touched. One token serves a whole fleet."""
-        self._sessions.gate.admit_hello(digest(worker_token).hex())
-
     def refused(self, source: str, reason: str) -> None:
         """A stream from `source` was refused before its session began (logged per source)."""
         self._sessions.gate.log(source).info("worker stream refused", reason=reason)
 
-    async def connect(self, hello: WorkerHello, *, source: str = "") -> WorkerSession:
-        """A worker said Hello from `source`: its session, with its lease if it resumes one."""
+    async def connect(
+        self, hello: WorkerHello, *, worker_token: str, source: str = ""
+    ) -> WorkerSession:
+        """A worker said Hello from `source` under a valid `worker_token`: its session, with
+        its lease if it resumes one."""
         machine = hello.machine
         source_log = self._sessions.gate.log(source)
+        token_key = digest(worker_token).hex()
         # The provider's word for the machine id, where the Hello carries it (identity.py). A
         # proof that does not verify is refused even where none is required: it is a
-        # misconfigured worker or a forgery, never something to carry on without.
+        # misconfigured worker or a forgery, never something to carry on without. Verifying
+        # first is cheap and bounded per peer (one proof per stream, streams per peer address
+        # admitted before the token is even checked), and lets a verified machine's Hellos be
+        # charged to its own budget: a flood of unverified ones cannot keep it out.
         provider = ""
         if hello.identity.present or self._identities.required:
-            provider = (await self._identities.verify(machine.machine_id, hello.identity)).provider
+            try:
+                verified = await self._identities.verify(machine.machine_id, hello.identity)
+            except Unauthenticated:
+                self._sessions.gate.spend_hello(token_key)
+                raise
+            provider = verified.provider
+        # Before the ledger is touched: Hellos per verified machine, or per worker token (one
+        # token serves a whole fleet) for the rest.
+        self._sessions.gate.admit_hello(
+            token_key, verified_machine=f"{provider}:{machine.machine_id}" if provider else ""
+        )
         token = secrets.token_urlsafe(32)
         session_sha256 = digest(token)
         # The machine id is this stream's only if no other live stream holds it: a worker
@@ -183,6 +202,7 @@ class WorkerHandler:
                 urls_expire_at=0.0,
                 traceparent=resumed.traceparent or "",
                 output_format=resumed.spec.output_format,
+                max_train_steps=resumed.spec.max_train_steps,
             )
             welcome.resumed_lease.CopyFrom(lease_proto(resumed, self._lease_ttl_s))
             log.info("lease resumed", machine_id=machine.machine_id, job_id=resumed.job_id)
@@ -288,6 +308,13 @@ class WorkerHandler:
             ):
                 self._reject(session, hb.lease, "the sample task's lease is no longer live")
             return
+        training = session.lease
+        if training is not None and training.max_train_steps and hb.step > training.max_train_steps:
+            # Progress no run of this job can report: refused like any other bad field (it
+            # would show on the owner's timeline and in the holder's own pace).
+            raise InvalidArgument(
+                "heartbeat.step", f"past the job's max_train_steps ({training.max_train_steps})"
+            )
         # The timeline gets at most one HEARTBEAT per half interval, however fast they come.
         on_timeline = now - session.last_timeline_heartbeat >= self._heartbeat_interval_s / 2
         if on_timeline:
@@ -344,7 +371,7 @@ class WorkerHandler:
         ) as span:
             if not await self._stored_as_announced(
                 session, ref, checkpoint.key, checkpoint.size_bytes, checkpoint.sha256
-            ):
+            ) or not await self._checkpoint_in_format(session, ref, lease, checkpoint):
                 span.set_attribute("lorafleet.refused", True)
                 return
             if not await self._ledger.commit_checkpoint(ref.lease_id, ref.epoch, checkpoint):
@@ -412,7 +439,7 @@ class WorkerHandler:
             for stored in result.files.values():
                 if not await self._stored_as_announced(
                     session, ref, stored.key, stored.size_bytes, stored.sha256
-                ):
+                ) or not await self._result_in_format(session, ref, stored.key, stored.size_bytes):
                     span.set_attribute("lorafleet.refused", True)
                     return
             # Cleared before the ledger call: its NOTIFY must not revoke what the worker just
@@ -563,6 +590,54 @@ class WorkerHandler:
         )
         self._reject(session, ref, f"the stored object {key} does not match its size and sha256")
         return False
+
+    async def _checkpoint_in_format(
+        self, session: WorkerSession, ref: LeaseRef, lease: ActiveLease, checkpoint: Checkpoint
+    ) -> bool:
+        """A checkpoint the store verified is recorded only if it is a checkpoint bundle whose
+        tensors (names and shapes) are those of the job's earlier verified checkpoints."""
+        try:
+            layout = await checkpoint_layout(
+                self._storage, checkpoint.key, size_bytes=checkpoint.size_bytes
+            )
+            earlier = lease.checkpoint_layout
+            if earlier is None:
+                for recorded in await self._ledger.live_checkpoints(lease.job_id):
+                    try:
+                        earlier = await checkpoint_layout(
+                            self._storage, recorded.key, size_bytes=recorded.size_bytes
+                        )
+                        break
+                    except BadFormat:
+                        continue  # deleted meanwhile (retention): an older one will do
+            if earlier is not None and (difference := layout_difference(layout, earlier)):
+                raise BadFormat(difference)
+        except BadFormat as exc:
+            self._refuse_format(session, ref, checkpoint.key, str(exc))
+            return False
+        lease.checkpoint_layout = earlier if earlier is not None else layout
+        return True
+
+    async def _result_in_format(
+        self, session: WorkerSession, ref: LeaseRef, key: str, size_bytes: int
+    ) -> bool:
+        """A result file the store verified is recorded only if it is a LoRA safetensors file."""
+        try:
+            await check_lora_file(self._storage, key, size_bytes=size_bytes)
+        except BadFormat as exc:
+            self._refuse_format(session, ref, key, str(exc))
+            return False
+        return True
+
+    def _refuse_format(self, session: WorkerSession, ref: LeaseRef, key: str, why: str) -> None:
+        log.warning(
+            "announced object is not in its format; refused",
+            machine_id=session.machine.machine_id,
+            lease_id=ref.lease_id,
+            key=key,
+            reason=why,
+        )
+        self._reject(session, ref, f"the stored object {key} is refused: {why}")
 
     async def _sample_task_failed(
         self, session: WorkerSession, ref: LeaseRef, failure_class: FailureClass, message: str

@@ -35,7 +35,8 @@ LIMIT 1000;
 -- steps the lease had to run (max_train_steps less the checkpoint it resumed from: nothing a
 -- worker said). Only machines a provider vouched for count, each once (the median of its
 -- leases), so that one machine moves the figure no more than any other; then the median over
--- machines, and how many machines it rests on.
+-- machines, and how many machines it rests on. A completion faster than $6 s/step (the
+-- plausibility floor for the shape) is no training (a garbage result stored fast): left out.
 WITH done AS (
     SELECT l.machine_id,
            extract(epoch FROM l.ended_at - l.granted_at)::float8
@@ -56,7 +57,7 @@ WITH done AS (
 ), per_machine AS (
     SELECT machine_id,
            percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds_per_step) AS seconds_per_step
-    FROM done WHERE seconds_per_step > 0
+    FROM done WHERE seconds_per_step > 0 AND seconds_per_step >= $6::float8
     GROUP BY machine_id
 )
 SELECT count(*) AS machines,
@@ -175,14 +176,15 @@ SELECT * FROM canceled;
 -- hold locked, and grant it a new lease with the next epoch.
 -- $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl seconds, $5 sha256 of the lease's
 -- secret (only the grant carries the secret itself), $6 quarantine threshold (node faults),
--- $7 quarantine window seconds; $8 the base model the worker says it holds ('' none), $9 the
--- step shapes it says it compiled, $10 the warm-dispatch bound in seconds.
+-- $7 quarantine window seconds, $8 empty leases (ended without a checkpoint) in that window
+-- after which the machine gets nothing either; $9 the base model the worker says it holds
+-- ('' none), $10 the step shapes it says it compiled, $11 the warm-dispatch bound in seconds.
 --
 -- Warm preference, within the strict order's classes (re-queued jobs first, then priority): a
 -- job whose compiled shape the worker holds, else whose base model it holds, else the oldest.
--- Fairness bound: a job queued for $10 s or longer (since submit, or since its last lease ended)
+-- Fairness bound: a job queued for $11 s or longer (since submit, or since its last lease ended)
 -- is overdue and goes before every job of its class that is not, oldest first, whatever the
--- worker holds: it waits at most $10 s longer than strict order would have made it wait. What a
+-- worker holds: it waits at most $11 s longer than strict order would have made it wait. What a
 -- worker says it holds is unverified; it decides only which of the claimable jobs it gets.
 WITH candidate AS (
     SELECT j.job_id FROM jobs j
@@ -202,13 +204,14 @@ WITH candidate AS (
       AND (SELECT count(*) FROM leases q
            WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
              AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
+      AND lorafleet_empty_leases($1, $7::float8) < $8::int
     ORDER BY (j.epoch > 0) DESC, j.priority DESC,
              CASE WHEN coalesce((SELECT l.ended_at FROM leases l
                                  WHERE l.job_id = j.job_id AND l.epoch = j.epoch),
                                 j.created_at)
-                       <= now() - make_interval(secs => $10::float8) THEN 0
-                  WHEN j.compiled_shape_key = ANY ($9::text[]) THEN 1
-                  WHEN j.resident_key = $8 THEN 2
+                       <= now() - make_interval(secs => $11::float8) THEN 0
+                  WHEN j.compiled_shape_key = ANY ($10::text[]) THEN 1
+                  WHEN j.resident_key = $9 THEN 2
                   ELSE 3 END,
              j.created_at, j.job_id
     LIMIT 1
@@ -216,7 +219,8 @@ WITH candidate AS (
 ), granted AS (
     UPDATE jobs j
     SET state = 'RUNNING', epoch = j.epoch + 1, lease_id = $3, machine_id = $1,
-        lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
+        lease_expires_at = now() + make_interval(secs => $4), lease_progress_at = now(),
+        updated_at = now()
     FROM candidate c WHERE j.job_id = c.job_id
     RETURNING j.*
 ), leased AS (
@@ -296,6 +300,58 @@ WITH expired AS (
     SELECT job_id, 'LEASE_EXPIRED', 'QUEUED', lease_id, machine_id, epoch FROM expired
 )
 SELECT job_id, lease_id, machine_id, epoch FROM expired;
+
+-- name: stall_leases
+-- The sweeper, beside expire_leases: a lease that made no verified progress (see
+-- jobs.lease_progress_at: its grant, then checkpoints crossing an interval) for its bound ends
+-- as a node fault: the machine is banned from the job, the fault counts toward its quarantine
+-- and the job's max_failures, and the job is re-queued from its newest checkpoint. Heartbeats
+-- keep a lease from expiring but are no progress. The bound is $1 seconds for a job that
+-- checkpoints every 100 steps, scaled by its interval (never below $1) plus $1 per 100 class
+-- images it may have to generate first; the holder's stream is revoked by the NOTIFY.
+WITH stalled AS (
+    SELECT job_id, lease_id, machine_id, epoch, failures, max_failures,
+           round(extract(epoch FROM now() - lease_progress_at))::bigint AS silent_s
+    FROM jobs
+    WHERE state = 'RUNNING'
+      AND lease_progress_at < now() - make_interval(secs => $1 * (
+            greatest(1.0, least(lorafleet_checkpoint_interval(spec), max_train_steps) / 100.0)
+            + CASE WHEN (spec ->> 'with_prior_preservation')::boolean
+                   THEN (spec ->> 'num_class_images')::int / 100.0 ELSE 0 END))
+    ORDER BY lease_progress_at
+    LIMIT 1000
+    FOR UPDATE SKIP LOCKED
+), decided AS (
+    SELECT s.*, CASE WHEN s.failures + 1 >= s.max_failures THEN 'FAILED' ELSE 'QUEUED' END
+                    AS new_state,
+           'no verified progress (a checkpoint the store verified) for ' || s.silent_s
+               || ' s; the lease was revoked as a node fault' AS message
+    FROM stalled s
+), updated AS (
+    UPDATE jobs j
+    SET state = d.new_state, failures = d.failures + 1,
+        lease_id = NULL, machine_id = NULL, lease_expires_at = NULL,
+        error = CASE WHEN d.new_state = 'FAILED' THEN d.message ELSE j.error END,
+        failure_class = CASE WHEN d.new_state = 'FAILED' THEN 'NODE' ELSE j.failure_class END,
+        finished_at = CASE WHEN d.new_state = 'FAILED' THEN now() END,
+        updated_at = now()
+    FROM decided d WHERE j.job_id = d.job_id
+), ended AS (
+    UPDATE leases l SET ended_at = now(), end_reason = 'failed: node'
+    FROM decided d WHERE l.lease_id = d.lease_id
+), banned AS (
+    INSERT INTO bans (job_id, machine_id, reason)
+    SELECT job_id, machine_id, message FROM decided
+    ON CONFLICT DO NOTHING
+), logged AS (
+    INSERT INTO job_events (job_id, kind, state, lease_id, machine_id, epoch, message, failure_class)
+    SELECT job_id, 'ATTEMPT_FAILED', new_state, lease_id, machine_id, epoch, message, 'NODE'
+    FROM decided
+    UNION ALL
+    SELECT job_id, 'FAILED', 'FAILED', lease_id, machine_id, epoch, message, 'NODE'
+    FROM decided WHERE new_state = 'FAILED'
+)
+SELECT job_id, lease_id, machine_id, epoch, new_state, silent_s FROM decided;
 
 -- name: drain_lease
 -- The holder is stopping ($1 lease, $2 epoch, $3 reason): re-queue at once, no failure counted.
@@ -378,9 +434,16 @@ WITH live AS (
     ON CONFLICT (job_id, step, epoch) DO NOTHING
     RETURNING job_id
 ), newest AS (
+    -- Verified progress for the stall bound (stall_leases): a checkpoint past the next
+    -- multiple of the job's checkpoint interval, so announcing step after step one apart
+    -- stretches a lease no further than honest checkpoints would.
     UPDATE jobs j
     SET checkpoint_step = $3, checkpoint_epoch = l.epoch, checkpoint_key = $4,
-        checkpoint_bytes = $5, checkpoint_sha256 = $6, checkpoint_at = now(), updated_at = now()
+        checkpoint_bytes = $5, checkpoint_sha256 = $6, checkpoint_at = now(), updated_at = now(),
+        lease_progress_at = CASE
+            WHEN $3 / lorafleet_checkpoint_interval(j.spec)
+                 > coalesce(j.checkpoint_step, 0) / lorafleet_checkpoint_interval(j.spec)
+            THEN now() ELSE j.lease_progress_at END
     FROM live l WHERE j.job_id = l.job_id AND coalesce(j.checkpoint_step, -1) <= $3
 ), logged AS (
     INSERT INTO job_events (job_id, kind, lease_id, machine_id, epoch, step,
@@ -587,11 +650,15 @@ RETURNING machine_id;
 -- workers, so each running lease gets at least a TTL ($2 s) from now to reconnect in.
 -- Returns how many leases were extended.
 WITH outage AS (
-    SELECT coalesce(max(last_seen_at), '-infinity') < now() - make_interval(secs => $3) AS down
+    SELECT coalesce(max(last_seen_at), '-infinity') < now() - make_interval(secs => $3) AS down,
+           now() - coalesce(max(last_seen_at), now()) AS gap
     FROM scheduler_replicas
 ), extended AS (
+    -- No checkpoint could be recorded meanwhile either: the stall bound (stall_leases) does
+    -- not count the outage.
     UPDATE jobs
     SET lease_expires_at = greatest(lease_expires_at, now() + make_interval(secs => $2)),
+        lease_progress_at = lease_progress_at + (SELECT gap FROM outage),
         updated_at = now()
     WHERE state = 'RUNNING' AND (SELECT down FROM outage)
     RETURNING job_id
@@ -790,11 +857,24 @@ LEFT JOIN LATERAL (
 -- name: scaler_work
 -- Queued and running work (jobs and sample tasks: a job's validation images need a node too),
 -- and when the newest finished job finished (the idle grace starts then when nothing is queued
--- or running).
+-- or running). Running work counts only leases held by a machine the provider lists now ($1)
+-- or one a provider vouched for: a lease under a made-up machine id is on no instance of the
+-- fleet, so it is neither demand nor a reason to keep a node (the stall bound gives its job
+-- back); `unplaced` counts those left out.
+WITH holders AS (
+    SELECT machine_id FROM jobs WHERE state = 'RUNNING'
+    UNION ALL
+    SELECT machine_id FROM sample_tasks WHERE state = 'RUNNING'
+), placed AS (
+    SELECT h.machine_id = ANY ($1::text[])
+           OR EXISTS (SELECT 1 FROM machines m
+                      WHERE m.machine_id = h.machine_id AND m.identity_provider <> '') AS placed
+    FROM holders h
+)
 SELECT (SELECT count(*) FROM jobs WHERE state = 'QUEUED')
        + (SELECT count(*) FROM sample_tasks WHERE state = 'QUEUED') AS queued,
-       (SELECT count(*) FROM jobs WHERE state = 'RUNNING')
-       + (SELECT count(*) FROM sample_tasks WHERE state = 'RUNNING') AS running,
+       (SELECT count(*) FROM placed WHERE placed) AS running,
+       (SELECT count(*) FROM placed WHERE NOT placed) AS unplaced,
        (SELECT max(finished_at) FROM jobs WHERE finished_at IS NOT NULL) AS last_finished_at;
 
 -- name: banned_queued_jobs
@@ -863,7 +943,7 @@ FROM scaler_decisions ORDER BY decision_id DESC LIMIT $1;
 -- name: claim_sample_task
 -- Like claim_job, for a worker that found no training job: the oldest claimable task, re-runs
 -- first. $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl s, $5 sha256 of its secret,
--- $6 and $7 the quarantine (as claim_job's).
+-- $6, $7 and $8 the quarantine (as claim_job's).
 WITH candidate AS (
     SELECT s.task_id FROM sample_tasks s JOIN jobs j USING (job_id)
     WHERE s.state = 'QUEUED' AND j.min_vram_mb <= $2 AND NOT ($1 = ANY (s.banned_machines))
@@ -876,6 +956,7 @@ WITH candidate AS (
       AND (SELECT count(*) FROM leases q
            WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
              AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
+      AND lorafleet_empty_leases($1, $7::float8) < $8::int
     ORDER BY (s.epoch > 0) DESC, j.priority DESC, s.created_at, s.task_id
     LIMIT 1
     FOR UPDATE OF s SKIP LOCKED

@@ -85,6 +85,10 @@ CREATE TABLE jobs (
     -- compiled_shape_key; NULL (jobs from before, until the scheduler fills them) matches none.
     resident_key        text,
     compiled_shape_key  text,
+    -- When the live lease last made verified progress (0017): its grant, then each checkpoint
+    -- the store verified that crossed the job's checkpoint interval. Heartbeats do not move
+    -- it; the sweeper revokes a lease that went too long without (stall_leases).
+    lease_progress_at   timestamptz,
     UNIQUE (owner, idempotency_key),
     -- At most one live lease per job, and only a RUNNING job has one.
     CHECK ((state = 'RUNNING') = (lease_id IS NOT NULL)),
@@ -401,6 +405,24 @@ CREATE TABLE sample_tasks (
 CREATE INDEX sample_tasks_queued_idx ON sample_tasks (created_at) WHERE state = 'QUEUED';
 CREATE INDEX sample_tasks_job_idx ON sample_tasks (job_id, step);
 CREATE INDEX sample_tasks_running_idx ON sample_tasks (lease_expires_at) WHERE state = 'RUNNING';
+
+-- Steps between a job's checkpoints, from its spec (the default for older specs, never 0).
+CREATE FUNCTION lorafleet_checkpoint_interval(spec jsonb) RETURNS integer
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT greatest(1, coalesce((spec ->> 'checkpointing_steps')::int, 100))
+$$;
+
+-- Leases of machine $1 that ended in the last $2 s without work: given up by a Ready, drained
+-- or expired with no checkpoint recorded under them. Past a limit the machine is granted
+-- nothing (claim_job): taking and dropping leases is how a stream collects their URLs.
+CREATE FUNCTION lorafleet_empty_leases(machine text, window_s float8) RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT count(*) FROM leases q
+    WHERE q.machine_id = machine AND q.end_reason IN ('dropped', 'drained', 'expired')
+      AND q.ended_at > now() - make_interval(secs => window_s)
+      AND NOT EXISTS (SELECT 1 FROM checkpoints c
+                      WHERE c.job_id = q.job_id AND c.epoch = q.epoch)
+$$;
 
 -- The settings of a job's validation images, from its spec (defaults for older specs).
 CREATE FUNCTION lorafleet_sample_settings(spec jsonb) RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$

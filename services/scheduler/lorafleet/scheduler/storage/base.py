@@ -12,7 +12,8 @@ Workers are strangers' machines (DESIGN.md, "Trust"), so what a PUT URL allows i
   write), so the request must carry that header (`SignedUrl.headers`).
 * Checked before recorded: `verify` tells whether the stored bytes have the size and sha256 a
   worker announced, so the ledger never records a digest the store does not hold.
-* Bound to a lease: a PUT URL signed with `lease_id` stops working when that lease ends. The
+* Bound to a lease: a URL (PUT or GET) signed with `lease_id` stops working when that lease
+  ends: a holder that let its lease go keeps neither its job's inputs nor its writes. The
   local backend asks the scheduler (`lease_is_live`) on every such PUT, so the end is immediate.
   S3 cannot ask anyone: there the URL simply lives a short time (the signer gives lease PUT URLs
   a short TTL and renews them on heartbeats), and write-once plus `verify` make a late PUT
@@ -107,8 +108,10 @@ class ObjectStore(Protocol):
         tb: TracebackType | None,
     ) -> None: ...
 
-    async def presign_get(self, key: str, *, ttl_s: int) -> SignedUrl:
-        """A URL that reads `key` (GET) for `ttl_s` seconds; the object need not exist yet."""
+    async def presign_get(self, key: str, *, ttl_s: int, lease_id: str | None = None) -> SignedUrl:
+        """A URL that reads `key` (GET) for `ttl_s` seconds; the object need not exist yet.
+        `lease_id`: the URL is one of that lease's and dies with it, like a lease's PUT URLs
+        (at once on the local backend; on S3 at `ttl_s`, which the caller keeps short)."""
         ...
 
     async def presign_put(
@@ -145,6 +148,11 @@ class ObjectStore(Protocol):
 
     async def get_bytes(self, key: str) -> bytes:
         """The object's bytes; `ObjectNotFound` when there is none."""
+        ...
+
+    async def read_range(self, key: str, start: int, length: int) -> bytes:
+        """At most `length` bytes of the object from byte `start` (fewer at its end, none
+        past it); `ObjectNotFound` when there is none. For headers: reads only what it returns."""
         ...
 
 

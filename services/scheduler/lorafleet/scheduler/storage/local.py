@@ -229,8 +229,9 @@ class LocalObjectStore(AsyncLifecycle):
         """Stop serving URLs, letting uploads in progress finish; idempotent."""
         await self._server.close()
 
-    async def presign_get(self, key: str, *, ttl_s: int) -> SignedUrl:
-        return self._sign("GET", key, ttl_s)
+    async def presign_get(self, key: str, *, ttl_s: int, lease_id: str | None = None) -> SignedUrl:
+        check_lease_id(lease_id)
+        return self._sign("GET", key, ttl_s, lease_id=lease_id)
 
     async def presign_put(
         self, key: str, *, ttl_s: int, lease_id: str | None = None, write_once: bool = True
@@ -254,6 +255,12 @@ class LocalObjectStore(AsyncLifecycle):
     async def get_bytes(self, key: str) -> bytes:
         validate_key(key)
         return await _in_thread("get", key, self._files.read, key)
+
+    async def read_range(self, key: str, start: int, length: int) -> bytes:
+        validate_key(key)
+        if start < 0 or length < 0:
+            raise ValueError("start and length must not be negative")
+        return await _in_thread("get", key, self._files.read_range, key, start, length)
 
     async def verify(self, key: str, *, size_bytes: int, sha256: str) -> bool:
         """Hashes the stored file in a thread (nothing cached: the bytes on disk are what is
@@ -439,6 +446,9 @@ class LocalObjectServer(AsyncLifecycle):
             return _refuse(request, 403, str(exc), key=key)
         if method == "PUT":
             return await self._put(request, key, path, grant)
+        # A lease's read URLs die with it too: its holder keeps none of the job's inputs.
+        if grant.lease_id is not None and (refusal := await self._lease_refusal(grant.lease_id)):
+            return _refuse(request, *refusal, key=key)
         return await self._get(request, key, path)
 
     def _check_authorisation(self, request: web.Request, key: str) -> _Grant | str:
@@ -493,7 +503,7 @@ class LocalObjectServer(AsyncLifecycle):
         return _Grant(lease_id=lease_id, replace=replace == "1")
 
     async def _lease_refusal(self, lease_id: str) -> tuple[int, str] | None:
-        """Why a PUT on a URL of lease `lease_id` may not proceed (status, reason), or None
+        """Why a request on a URL of lease `lease_id` may not proceed (status, reason), or None
         while the lease is live."""
         try:
             live = await self.lease_is_live(lease_id)
@@ -502,7 +512,7 @@ class LocalObjectServer(AsyncLifecycle):
             log.warning("storage.local.lease_check_failed", lease_id=lease_id, error=repr(exc))
             return 503, f"cannot check lease {lease_id} now; try again"
         if not live:
-            return 403, f"lease {lease_id} has ended: its upload URLs no longer work"
+            return 403, f"lease {lease_id} has ended: its URLs no longer work"
         return None
 
     async def _get(self, request: web.Request, key: str, path: Path) -> web.StreamResponse:
@@ -689,6 +699,15 @@ class _Files:
             raise ObjectNotFound(key) from None
         with file:
             return file.read()
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        try:
+            file, _ = _open_object(self.path_for(key))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFound(key) from None
+        with file:
+            file.seek(start)
+            return file.read(length)
 
     def verify(self, key: str, size_bytes: int, sha256: str) -> bool:
         try:

@@ -161,7 +161,10 @@ class S3ObjectStore(AsyncLifecycle):
         if client is not None:
             await asyncio.to_thread(client.close)
 
-    async def presign_get(self, key: str, *, ttl_s: int) -> SignedUrl:
+    async def presign_get(self, key: str, *, ttl_s: int, lease_id: str | None = None) -> SignedUrl:
+        """See `ObjectStore.presign_get`; `lease_id` is checked but not in the URL (S3 cannot
+        ask whether a lease is live): keep `ttl_s` short for a lease's URLs."""
+        check_lease_id(lease_id)
         return await self._presign("GET", "get_object", key, ttl_s)
 
     async def presign_put(
@@ -254,6 +257,30 @@ class S3ObjectStore(AsyncLifecycle):
             return buffer.getvalue()
 
         return await self._call("get", key, download)
+
+    async def read_range(self, key: str, start: int, length: int) -> bytes:
+        validate_key(key)
+        if start < 0 or length < 0:
+            raise ValueError("start and length must not be negative")
+        if length == 0:
+            return b""
+        client = self._require_client()
+        bucket = self._config.bucket
+
+        def ranged() -> bytes:
+            try:
+                response = client.get_object(
+                    Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
+                )
+            except botocore.exceptions.ClientError as exc:
+                if _error_code(exc) in ("InvalidRange", "416"):
+                    return b""  # the object ends before `start`
+                raise
+            with contextlib.closing(response["Body"]) as body:
+                data: bytes = body.read(length)
+            return data
+
+        return await self._call("get", key, ranged)
 
     async def verify(self, key: str, *, size_bytes: int, sha256: str) -> bool:
         validate_key(key)

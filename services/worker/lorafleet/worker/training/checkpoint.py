@@ -32,11 +32,12 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
+from lorafleet.core.model import CHECKPOINT_DIGEST_BYTES, CHECKPOINT_MAGIC
 from lorafleet.worker.training.failures import CorruptCheckpoint
 from lorafleet.worker.training.serialization import safetensors_metadata, safetensors_parts
 
-MAGIC = b"LFCKPT\x00\x01"
-_DIGEST_BYTES = 32
+MAGIC = CHECKPOINT_MAGIC
+_DIGEST_BYTES = CHECKPOINT_DIGEST_BYTES
 _HEADER_BYTES = len(MAGIC) + _DIGEST_BYTES
 _STATE_KEY = "lorafleet.state"
 FORMAT_VERSION = 1
