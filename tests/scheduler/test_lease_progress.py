@@ -25,6 +25,7 @@ import pytest
 
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
+from tests.support.artifacts import checkpoint_blob
 from tests.support.fleet import Fleet
 from tests.support.workers import connect_worker
 
@@ -56,9 +57,10 @@ async def test_a_lease_without_verified_progress_is_revoked_as_a_node_fault(
     async with connect_worker(fleet.channel, fleet.token, "staller") as staller:
         taken = await staller.ready_for_lease()
         assert taken.lease.job_id == stalled.job_id
-        # A checkpoint one step past the resumed one: verified, but not past the job's
-        # checkpoint interval, so no progress.
+        # The lease's first checkpoint is progress; one a step past it is verified but not past
+        # the next multiple of the checkpoint interval, so no progress.
         await staller.store_checkpoint(taken.lease, 11)
+        await staller.store_checkpoint(taken.lease, 12)
         honest_job = await fleet.alice.submit()
         async with connect_worker(fleet.channel, fleet.token, "honest") as honest:
             mine = await honest.ready_for_lease()
@@ -97,7 +99,7 @@ async def test_a_lease_without_verified_progress_is_revoked_as_a_node_fault(
             job = await fleet.alice.get(stalled.job_id)
             # Back in the queue with its last verified checkpoint, one failure counted.
             assert job.state == pb.JOB_STATE_QUEUED and job.failures == 1
-            assert job.latest_checkpoint.step == 11
+            assert job.latest_checkpoint.step == 12
             bans = await _row(
                 database_url,
                 "SELECT count(*) AS n FROM bans WHERE machine_id = 'staller' AND job_id = $1",
@@ -170,3 +172,74 @@ async def test_a_heartbeat_past_max_train_steps_is_refused(fleet: Fleet) -> None
         assert "heartbeat.step" in (ended.value.details() or "")
     current = await fleet.alice.get(job.job_id)
     assert current.progress.step == 100
+
+
+@pytest.mark.parametrize("scheduler_overrides", [STALL])
+async def test_what_a_liar_left_in_a_job_does_not_count_against_the_next_holder(
+    fleet: Fleet, database_url: str
+) -> None:
+    """A holder commits a well-formed checkpoint with a layout of its own at a high step, then
+    drains. The next, honest holder's checkpoints (another layout, lower steps: it resumed from
+    an earlier one) are recorded, each past an interval is progress, and it is neither refused,
+    revoked nor banned."""
+    job = await fleet.alice.submit()  # 100 steps, a checkpoint every 10
+    async with connect_worker(fleet.channel, fleet.token, "liar") as liar:
+        granted = await liar.ready_for_lease()
+        bogus = checkpoint_blob(90, {"evil": ("F32", (3,))})
+        await liar.store_checkpoint(granted.lease, 90, bogus)
+        await liar.send(draining=fpb.Draining(lease=liar.ref(granted.lease), reason="spot"))
+    await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_QUEUED)
+    async with connect_worker(fleet.channel, fleet.token, "honest") as honest:
+        mine = await honest.ready_for_lease()
+        assert mine.lease.job_id == job.job_id
+        # Five checkpoints 1 s apart: 5 s in all, past the 3 s bound unless each is progress.
+        for step in range(10, 60, 10):
+            await honest.store_checkpoint(mine.lease, step)
+            await asyncio.sleep(1.0)
+        await honest.heartbeat(mine.lease, 50)
+        with pytest.raises(TimeoutError):
+            await honest.expect("lease_revoked", timeout=0.5)
+        current = await fleet.alice.get(job.job_id)
+        assert current.state == pb.JOB_STATE_RUNNING and current.machine_id == "honest"
+    recorded = await _row(
+        database_url,
+        "SELECT count(*) AS n FROM checkpoints WHERE job_id = $1 AND epoch = 2",
+        uuid.UUID(job.job_id),
+    )
+    assert recorded["n"] == 5
+    bans = await _row(database_url, "SELECT count(*) AS n FROM bans WHERE machine_id = 'honest'")
+    assert bans["n"] == 0
+
+
+@pytest.mark.parametrize("scheduler_overrides", [{"quarantine_empty_leases": 3}])
+async def test_failing_leases_instead_of_saying_ready_is_quarantined_too(fleet: Fleet) -> None:
+    """Ending each lease with JobFailed (input) instead of Ready gets no more leases than Ready
+    cycling: a lease that ended failed without a checkpoint is empty as well."""
+    for _ in range(5):
+        await fleet.alice.submit()
+    async with connect_worker(fleet.channel, fleet.token, "cycler") as cycler:
+        for _ in range(3):
+            granted = await cycler.ready_for_lease()
+            await cycler.send(
+                job_failed=fpb.JobFailed(
+                    lease=cycler.ref(granted.lease),
+                    failure_class=pb.FAILURE_CLASS_INPUT,
+                    message="unreadable images",
+                )
+            )
+        await cycler.send(ready=fpb.Ready())
+        with pytest.raises(TimeoutError):
+            await cycler.expect("lease_granted", timeout=1.5)
+
+
+async def test_a_negative_pace_is_a_bad_field(fleet: Fleet) -> None:
+    job = await fleet.alice.submit()
+    async with connect_worker(fleet.channel, fleet.token, "liar") as liar:
+        granted = await liar.ready_for_lease()
+        await liar.heartbeat(granted.lease, 5, seconds_per_step=-1.0)
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await liar.expect("welcome")
+        assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "heartbeat.seconds_per_step" in (ended.value.details() or "")
+    current = await fleet.alice.get(job.job_id)
+    assert current.progress.seconds_per_step >= 0

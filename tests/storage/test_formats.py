@@ -70,6 +70,8 @@ BAD_FILES = {
     ),
     "no tensors": _header({}),
     "not lora tensors": safetensors_bytes({"model.conv.weight": ("F32", (2, 2))}),
+    # Deeper than the JSON parser's stack: a bad format, not an error of the scheduler's.
+    "deep nesting": struct.pack("<Q", 400_000) + b"[" * 200_000 + b"]" * 200_000,
 }
 
 

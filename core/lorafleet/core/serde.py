@@ -462,6 +462,8 @@ def heartbeat_from_proto(hb: fpb.Heartbeat) -> HeartbeatReport:
     lease = lease_ref_from_proto(hb.lease, "heartbeat.lease") if hb.lease.lease_id else None
     if hb.step < 0:
         raise InvalidArgument("heartbeat.step", "must not be negative")
+    if hb.seconds_per_step < 0:  # shown to the owner as the job's pace and its ETA
+        raise InvalidArgument("heartbeat.seconds_per_step", "must not be negative")
     return HeartbeatReport(
         lease=lease,
         step=hb.step,

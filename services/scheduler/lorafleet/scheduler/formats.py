@@ -74,7 +74,8 @@ async def safetensors_layout(
     raw = await _read(storage, key, offset + 8, header_bytes)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # RecursionError: JSON nested deeper than the parser's stack (no safetensors header is).
         raise BadFormat("the safetensors header is not JSON") from exc
     if not isinstance(header, dict):
         raise BadFormat("the safetensors header is not an object")

@@ -595,14 +595,19 @@ class WorkerHandler:
         self, session: WorkerSession, ref: LeaseRef, lease: ActiveLease, checkpoint: Checkpoint
     ) -> bool:
         """A checkpoint the store verified is recorded only if it is a checkpoint bundle whose
-        tensors (names and shapes) are those of the job's earlier verified checkpoints."""
+        tensors (names and shapes) are those of this lease's earlier checkpoints. Only this
+        lease's: a layout pinned by an earlier holder would let a liar's one checkpoint get every
+        honest holder after it refused (and revoked). A bad checkpoint an earlier holder left is
+        the resuming worker's to skip: it resumes from the newest one that verifies."""
         try:
             layout = await checkpoint_layout(
                 self._storage, checkpoint.key, size_bytes=checkpoint.size_bytes
             )
             earlier = lease.checkpoint_layout
-            if earlier is None:
+            if earlier is None:  # this lease's checkpoints from before a reconnect
                 for recorded in await self._ledger.live_checkpoints(lease.job_id):
+                    if recorded.epoch != lease.epoch:
+                        continue
                     try:
                         earlier = await checkpoint_layout(
                             self._storage, recorded.key, size_bytes=recorded.size_bytes

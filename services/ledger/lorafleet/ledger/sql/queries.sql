@@ -220,7 +220,7 @@ WITH candidate AS (
     UPDATE jobs j
     SET state = 'RUNNING', epoch = j.epoch + 1, lease_id = $3, machine_id = $1,
         lease_expires_at = now() + make_interval(secs => $4), lease_progress_at = now(),
-        updated_at = now()
+        lease_checkpoint_steps = NULL, lease_progress_step = NULL, updated_at = now()
     FROM candidate c WHERE j.job_id = c.job_id
     RETURNING j.*
 ), leased AS (
@@ -315,7 +315,8 @@ WITH stalled AS (
     FROM jobs
     WHERE state = 'RUNNING'
       AND lease_progress_at < now() - make_interval(secs => $1 * (
-            greatest(1.0, least(lorafleet_checkpoint_interval(spec), max_train_steps) / 100.0)
+            greatest(1.0, least(lorafleet_lease_interval(spec, lease_checkpoint_steps),
+                                 max_train_steps) / 100.0)
             + CASE WHEN (spec ->> 'with_prior_preservation')::boolean
                    THEN (spec ->> 'num_class_images')::int / 100.0 ELSE 0 END))
     ORDER BY lease_progress_at
@@ -422,10 +423,17 @@ WITH target AS (
 )
 SELECT * FROM updated;
 
+-- name: set_lease_interval
+-- $1 lease, $2 epoch, $3 the checkpoint interval the scheduler chose for that live lease.
+UPDATE jobs SET lease_checkpoint_steps = $3
+WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING'
+RETURNING job_id;
+
 -- name: commit_checkpoint
 -- $1 lease, $2 epoch, $3 step, $4 key, $5 bytes, $6 sha256. Recorded only under the live lease.
 WITH live AS (
-    SELECT job_id, lease_id, machine_id, epoch FROM jobs
+    SELECT job_id, lease_id, machine_id, epoch, coalesce(checkpoint_step, -1) <= $3 AS forward
+    FROM jobs
     WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
     FOR UPDATE
 ), recorded AS (
@@ -434,17 +442,27 @@ WITH live AS (
     ON CONFLICT (job_id, step, epoch) DO NOTHING
     RETURNING job_id
 ), newest AS (
-    -- Verified progress for the stall bound (stall_leases): a checkpoint past the next
-    -- multiple of the job's checkpoint interval, so announcing step after step one apart
-    -- stretches a lease no further than honest checkpoints would.
+    -- The job's newest checkpoint moves only forward. Verified progress for the stall bound
+    -- (stall_leases) is the lease's own: its first checkpoint, then each past the next
+    -- multiple of the lease's interval beyond the highest step it committed, so announcing
+    -- step after step one apart stretches a lease no further than honest checkpoints would,
+    -- and a bogus high step an earlier holder left does not starve an honest one of progress.
     UPDATE jobs j
-    SET checkpoint_step = $3, checkpoint_epoch = l.epoch, checkpoint_key = $4,
-        checkpoint_bytes = $5, checkpoint_sha256 = $6, checkpoint_at = now(), updated_at = now(),
+    SET checkpoint_step = CASE WHEN l.forward THEN $3 ELSE j.checkpoint_step END,
+        checkpoint_epoch = CASE WHEN l.forward THEN l.epoch ELSE j.checkpoint_epoch END,
+        checkpoint_key = CASE WHEN l.forward THEN $4 ELSE j.checkpoint_key END,
+        checkpoint_bytes = CASE WHEN l.forward THEN $5 ELSE j.checkpoint_bytes END,
+        checkpoint_sha256 = CASE WHEN l.forward THEN $6 ELSE j.checkpoint_sha256 END,
+        checkpoint_at = CASE WHEN l.forward THEN now() ELSE j.checkpoint_at END,
+        updated_at = now(),
         lease_progress_at = CASE
-            WHEN $3 / lorafleet_checkpoint_interval(j.spec)
-                 > coalesce(j.checkpoint_step, 0) / lorafleet_checkpoint_interval(j.spec)
-            THEN now() ELSE j.lease_progress_at END
-    FROM live l WHERE j.job_id = l.job_id AND coalesce(j.checkpoint_step, -1) <= $3
+            WHEN j.lease_progress_step IS NULL
+                 OR $3 / lorafleet_lease_interval(j.spec, j.lease_checkpoint_steps)
+                    > j.lease_progress_step
+                      / lorafleet_lease_interval(j.spec, j.lease_checkpoint_steps)
+            THEN now() ELSE j.lease_progress_at END,
+        lease_progress_step = greatest(coalesce(j.lease_progress_step, -1), $3)
+    FROM live l WHERE j.job_id = l.job_id
 ), logged AS (
     INSERT INTO job_events (job_id, kind, lease_id, machine_id, epoch, step,
                             checkpoint_key, checkpoint_bytes, checkpoint_sha256)

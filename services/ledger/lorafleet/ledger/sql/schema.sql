@@ -89,6 +89,11 @@ CREATE TABLE jobs (
     -- the store verified that crossed the job's checkpoint interval. Heartbeats do not move
     -- it; the sweeper revokes a lease that went too long without (stall_leases).
     lease_progress_at   timestamptz,
+    -- The live lease's checkpoint interval where the scheduler chose it (0018:
+    -- checkpointing_steps auto); NULL under a fixed one.
+    lease_checkpoint_steps integer,
+    -- The highest step the live lease committed (0018); NULL until its first checkpoint.
+    lease_progress_step bigint,
     UNIQUE (owner, idempotency_key),
     -- At most one live lease per job, and only a RUNNING job has one.
     CHECK ((state = 'RUNNING') = (lease_id IS NOT NULL)),
@@ -406,19 +411,25 @@ CREATE INDEX sample_tasks_queued_idx ON sample_tasks (created_at) WHERE state = 
 CREATE INDEX sample_tasks_job_idx ON sample_tasks (job_id, step);
 CREATE INDEX sample_tasks_running_idx ON sample_tasks (lease_expires_at) WHERE state = 'RUNNING';
 
--- Steps between a job's checkpoints, from its spec (the default for older specs, never 0).
-CREATE FUNCTION lorafleet_checkpoint_interval(spec jsonb) RETURNS integer
+-- Steps between a job's checkpoints under its live lease: the lease's chosen interval, else the
+-- spec's; 100 (the former default) for an unresolved auto or an older spec. Never 0.
+CREATE FUNCTION lorafleet_lease_interval(spec jsonb, lease_steps integer) RETURNS integer
 LANGUAGE sql IMMUTABLE AS $$
-    SELECT greatest(1, coalesce((spec ->> 'checkpointing_steps')::int, 100))
+    SELECT CASE WHEN coalesce(lease_steps, 0) > 0 THEN lease_steps
+                WHEN coalesce((spec ->> 'checkpointing_steps')::int, 0) > 0
+                    THEN (spec ->> 'checkpointing_steps')::int
+                ELSE 100 END
 $$;
 
--- Leases of machine $1 that ended in the last $2 s without work: given up by a Ready, drained
--- or expired with no checkpoint recorded under them. Past a limit the machine is granted
+-- Leases of machine $1 that ended in the last $2 s without work: given up by a Ready, drained,
+-- expired or failed (as its holder said: input, internal) with no checkpoint recorded under
+-- them. Past a limit the machine is granted
 -- nothing (claim_job): taking and dropping leases is how a stream collects their URLs.
 CREATE FUNCTION lorafleet_empty_leases(machine text, window_s float8) RETURNS bigint
 LANGUAGE sql STABLE AS $$
     SELECT count(*) FROM leases q
-    WHERE q.machine_id = machine AND q.end_reason IN ('dropped', 'drained', 'expired')
+    WHERE q.machine_id = machine
+      AND q.end_reason IN ('dropped', 'drained', 'expired', 'failed: input', 'failed: internal')
       AND q.ended_at > now() - make_interval(secs => window_s)
       AND NOT EXISTS (SELECT 1 FROM checkpoints c
                       WHERE c.job_id = q.job_id AND c.epoch = q.epoch)
