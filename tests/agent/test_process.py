@@ -71,6 +71,7 @@ class Workers:
             "LORAFLEET_SCHEDULER": self.fleet.address,
             "LORAFLEET_WORKER_TOKEN": WORKER_TOKEN,
             "LORAFLEET_ALLOW_CPU": "1",
+            "LORAFLEET_COMPILE_MODEL": "off",  # auto compiles a long job: minutes here
             "SALAD_MACHINE_ID": machine_id,
             "SALAD_CONTAINER_GROUP_INSTANCE_ID": f"instance-{machine_id}",
             "LORAFLEET_MODEL_PATH": str(self.fleet.tiny_model),

@@ -136,6 +136,7 @@ async def start_worker(
         "LORAFLEET_SCHEDULER": fleet.address,
         "LORAFLEET_WORKER_TOKEN": WORKER_TOKEN,
         "LORAFLEET_ALLOW_CPU": "1",
+        "LORAFLEET_COMPILE_MODEL": "off",  # auto compiles a long job: minutes here
         "SALAD_MACHINE_ID": machine_id,
         "LORAFLEET_SIMULATE_STEP_S": "0.05",
         "LORAFLEET_SIMULATE_CHECKPOINT_BYTES": "4096",

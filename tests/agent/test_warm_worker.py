@@ -31,12 +31,14 @@ async def test_a_job_trains_the_same_bits_on_a_fresh_worker_and_a_warm_one(
     for i in range(NUM_IMAGES):
         await fleet.scheduler.storage.put_bytes(upload_key("bob", PREFIX, f"{i}.png"), png(i))
 
-    fresh = Agent(fleet.worker_config("fresh"), qualification=cpu_qualification)
+    fresh = Agent(
+        fleet.worker_config("fresh", compile_model="auto"), qualification=cpu_qualification
+    )
     async with running(fresh):
         cold = await fleet.alice.submit(**JOB_A)
         cold_done = await fleet.alice.wait_state(cold.job_id, SUCCEEDED)
 
-    warm = Agent(fleet.worker_config("warm"), qualification=cpu_qualification)
+    warm = Agent(fleet.worker_config("warm", compile_model="auto"), qualification=cpu_qualification)
     async with running(warm):
         # Another owner's job of another rank and seed, training its text encoders with
         # gradient checkpointing; then another of alice's; then the job.

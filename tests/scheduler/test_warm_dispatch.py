@@ -46,7 +46,8 @@ async def backdate(database_url: str, job_id: str, seconds: float) -> None:
     conn = await asyncpg.connect(database_url)
     try:
         await conn.execute(
-            "UPDATE jobs SET created_at = created_at - make_interval(secs => $2)"
+            "UPDATE jobs SET created_at = created_at - make_interval(secs => $2),"
+            " queued_at = queued_at - make_interval(secs => $2)"
             " WHERE job_id = $1::uuid",
             job_id,
             seconds,
@@ -229,3 +230,28 @@ async def test_jobs_from_before_warm_dispatch_get_their_keys_from_the_spec(
         jobs[1].job_id: keys(**OTHER_MODEL),
         jobs[2].job_id: (None, None),
     }
+
+
+async def test_a_jobs_wait_counts_from_its_last_re_queue(fleet: Fleet, database_url: str) -> None:
+    """queued_at (the fairness bound's clock) is set at submit and again whenever any statement
+    puts the job back in the queue (a trigger), and not by other updates."""
+    job = await fleet.alice.submit()
+
+    async def queued_at() -> Any:
+        conn = await asyncpg.connect(database_url)
+        try:
+            return await conn.fetchval(
+                "SELECT queued_at FROM jobs WHERE job_id = $1::uuid", job.job_id
+            )
+        finally:
+            await conn.close()
+
+    submitted = await queued_at()
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        granted = await worker.ready_for_lease()
+        await worker.heartbeat(granted.lease, 5)
+        await worker.store_checkpoint(granted.lease, 10)
+        assert await queued_at() == submitted  # a grant and progress leave it
+        await worker.send(draining=fpb.Draining(lease=worker.ref(granted.lease), reason="spot"))
+    await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_QUEUED)
+    assert await queued_at() > submitted

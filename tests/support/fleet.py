@@ -133,6 +133,8 @@ class Fleet:
             drain_grace_s=60.0,
             # Each worker its own compile cache in the test's directory, never the user's.
             compile_cache_dir=self.scheduler.config.data_dir / "compile-cache" / machine_id,
+            # Eager unless a test asks (auto compiles a long job: minutes on 2 cores).
+            compile_model="off",
             transfer=TransferConfig(
                 max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.1, deadline_s=30.0
             ),

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -256,9 +257,11 @@ def test_compiled_model_trains_the_same_weights_and_resumes_exactly(
     is bit-identical to an uninterrupted compiled one. The step is compiled once per resident
     model, into the node's own cache directory, and reused by the next runs of its shape; a
     compiled run that turns non-finite goes on eager from its last finite state."""
-    # Whatever inductor writes goes to this test's directory (and the variable is restored).
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "default"))
-    cache = tmp_path / "node-cache"
+    # The node's cache outlives the test run, as a node's outlives its leases: a cold compile
+    # takes minutes on 2 cores, a warm one seconds (inductor writes its caches atomically, so
+    # two runs at once may share it). Whatever inductor writes elsewhere goes there too.
+    cache = Path(tempfile.gettempdir()) / f"lorafleet-test-compile-cache-{torch.__version__}"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache / "default"))
     spec = tiny_spec(max_train_steps=4, random_flip=True, train_text_encoder=True)
     shape = spec.compiled_shape_key
     eager, eager_steps = train(spec)

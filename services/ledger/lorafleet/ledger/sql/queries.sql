@@ -180,13 +180,15 @@ SELECT * FROM canceled;
 -- after which the machine gets nothing either; $9 the base model the worker says it holds
 -- ('' none), $10 the step shapes it says it compiled, $11 the warm-dispatch bound in seconds.
 --
--- Warm preference, within the strict order's classes (re-queued jobs first, then priority): a
--- job whose compiled shape the worker holds, else whose base model it holds, else the oldest.
--- Fairness bound: a job queued for $11 s or longer (since submit, or since its last lease ended)
--- is overdue and goes before every job of its class that is not, oldest first, whatever the
--- worker holds: it waits at most $11 s longer than strict order would have made it wait. What a
--- worker says it holds is unverified; it decides only which of the claimable jobs it gets.
-WITH candidate AS (
+-- Warm preference, among the first 64 claimable jobs in strict queue order (an index walk
+-- however long the queue) and within that order's classes (re-queued jobs first, then
+-- priority): a job whose compiled shape the worker holds, else whose base model it holds, else
+-- the oldest. Fairness bound: a job queued for $11 s or longer (jobs.queued_at: since submit, or
+-- since it was last re-queued) is overdue and goes before every job of its class that is not,
+-- oldest first, whatever the worker holds: it waits at most $11 s longer than strict order would
+-- have made it wait. What a worker says it holds is unverified; it decides only which of the
+-- claimable jobs it gets.
+WITH head AS (
     SELECT j.job_id FROM jobs j
     WHERE j.state = 'QUEUED'
       AND j.min_vram_mb <= $2
@@ -205,17 +207,21 @@ WITH candidate AS (
            WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
              AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
       AND lorafleet_empty_leases($1, $7::float8) < $8::int
+    ORDER BY (j.epoch > 0) DESC, j.priority DESC, j.created_at, j.job_id
+    LIMIT 64
+), candidate AS (
+    -- Rows another replica is claiming are skipped; the state is checked again on the row
+    -- locked (it may have been granted since `head` read it).
+    SELECT j.job_id FROM jobs j JOIN head h ON h.job_id = j.job_id
+    WHERE j.state = 'QUEUED'
     ORDER BY (j.epoch > 0) DESC, j.priority DESC,
-             CASE WHEN coalesce((SELECT l.ended_at FROM leases l
-                                 WHERE l.job_id = j.job_id AND l.epoch = j.epoch),
-                                j.created_at)
-                       <= now() - make_interval(secs => $11::float8) THEN 0
+             CASE WHEN j.queued_at <= now() - make_interval(secs => $11::float8) THEN 0
                   WHEN j.compiled_shape_key = ANY ($10::text[]) THEN 1
                   WHEN j.resident_key = $9 THEN 2
                   ELSE 3 END,
              j.created_at, j.job_id
     LIMIT 1
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF j SKIP LOCKED
 ), granted AS (
     UPDATE jobs j
     SET state = 'RUNNING', epoch = j.epoch + 1, lease_id = $3, machine_id = $1,

@@ -94,6 +94,9 @@ CREATE TABLE jobs (
     lease_checkpoint_steps integer,
     -- The highest step the live lease committed (0018); NULL until its first checkpoint.
     lease_progress_step bigint,
+    -- When the job last entered the queue (0018): its submit, or its last re-queue
+    -- (jobs_mark_queued); the warm-dispatch fairness bound counts from here.
+    queued_at           timestamptz NOT NULL DEFAULT now(),
     UNIQUE (owner, idempotency_key),
     -- At most one live lease per job, and only a RUNNING job has one.
     CHECK ((state = 'RUNNING') = (lease_id IS NOT NULL)),
@@ -271,6 +274,19 @@ END $$;
 
 CREATE TRIGGER jobs_notify AFTER INSERT OR UPDATE OF state, lease_id ON jobs
     FOR EACH ROW EXECUTE FUNCTION lorafleet_notify_work();
+
+-- A job's queued_at follows it back into the queue, whichever statement re-queues it.
+CREATE FUNCTION lorafleet_mark_queued() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.state = 'QUEUED' AND OLD.state IS DISTINCT FROM 'QUEUED' THEN
+        NEW.queued_at := now();
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+CREATE TRIGGER jobs_mark_queued BEFORE UPDATE OF state ON jobs
+FOR EACH ROW EXECUTE FUNCTION lorafleet_mark_queued();
 
 -- A job's timeline grew: WatchJob streams on every replica read the new events.
 CREATE FUNCTION lorafleet_notify_event() RETURNS trigger LANGUAGE plpgsql AS $$

@@ -30,3 +30,22 @@ LANGUAGE sql STABLE AS $$
       AND NOT EXISTS (SELECT 1 FROM checkpoints c
                       WHERE c.job_id = q.job_id AND c.epoch = q.epoch)
 $$;
+
+-- When a job last entered the queue (its submit, or its last re-queue): the warm-dispatch
+-- fairness bound counts from here (claim_job), without a look into the job's leases. Kept by
+-- a trigger, so every statement that re-queues a job keeps it, present and future.
+ALTER TABLE jobs ADD COLUMN queued_at timestamptz NOT NULL DEFAULT now();
+UPDATE jobs SET queued_at = coalesce(
+    (SELECT max(l.ended_at) FROM leases l WHERE l.job_id = jobs.job_id), created_at);
+
+CREATE FUNCTION lorafleet_mark_queued() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.state = 'QUEUED' AND OLD.state IS DISTINCT FROM 'QUEUED' THEN
+        NEW.queued_at := now();
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+CREATE TRIGGER jobs_mark_queued BEFORE UPDATE OF state ON jobs
+FOR EACH ROW EXECUTE FUNCTION lorafleet_mark_queued();
