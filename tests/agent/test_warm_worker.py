@@ -5,6 +5,7 @@ scheduler, the tiny model on the CPU)."""
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC
 
 import pytest
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -13,7 +14,7 @@ from lorafleet.core.model import upload_key
 from lorafleet.core.serde import spec_from_proto
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.worker.agent import Agent, State
-from lorafleet.worker.lease_runner import training_config_for
+from lorafleet.worker.lease_runner import LeaseRunner, training_config_for
 from lorafleet.worker.qualify import QualificationResult
 from lorafleet.worker.training.config import resolve_runtime
 from tests.support.fleet import NUM_IMAGES, Fleet, running
@@ -76,12 +77,31 @@ async def test_a_job_trains_the_same_bits_on_a_fresh_worker_and_a_warm_one(
         async with asyncio.timeout(WAIT_S):
             await warm.wait_until(lambda a: a.state is State.IDLE and not a.busy)
         assert resident_adapters(warm, again) == parked  # the same modules
+        runner = warm.recent_leases[-1]
+        assert isinstance(runner, LeaseRunner) and runner.job_id == again.job_id
+        timings = runner.first_step_timings()
         assert warm.resident.loads == 1  # four leases, one load
         announced = warm.warm_state()
         assert announced.resident == spec_from_proto(again.spec).resident_key
         assert list(announced.compiled_shapes) == []  # nothing compiled: short jobs run eager
 
     assert warm_done.result.sha256 == cold_done.result.sha256
+    # The lease timed its way from the grant to its first step, phase by phase: the phases
+    # lie within it, and its first step ended after the ledger recorded the grant.
+    phases = timings["setup_s"]
+    assert isinstance(phases, dict)
+    assert {"download_inputs", "load_model", "adapters", "precompute", "first_step"} <= set(phases)
+    assert all(seconds >= 0 for seconds in phases.values())
+    total = timings["grant_to_first_step_s"]
+    assert isinstance(total, float) and sum(phases.values()) <= total + 1e-3
+    granted = next(
+        e.at.ToDatetime(tzinfo=UTC).timestamp()
+        for e in await fleet.alice.events(again.job_id)
+        if e.kind == pb.JOB_EVENT_KIND_LEASE_GRANTED
+    )
+    done_at = timings["first_step_done_at"]
+    # The grant is recorded before it is sent: the worker's part is the later part (one clock).
+    assert isinstance(done_at, float) and done_at - granted >= total - 0.01
     # The runs said on their timelines why they did not compile.
     notices = [e.message for e in await fleet.alice.events(again.job_id) if e.message]
     assert any("compile_model auto: eager" in n and "prior" in n for n in notices), notices

@@ -513,11 +513,11 @@ class LeaseRunner:
                 "lease ended",
                 result=result.value,
                 step=self.progress.latest().step,
-                **self._first_step_timings(),
+                **self.first_step_timings(),
             )
             return result
 
-    def _first_step_timings(self) -> dict[str, object]:
+    def first_step_timings(self) -> dict[str, object]:
         """What the lease spent before its first step, for the log (bench/fleet.py reads it):
         when that step ended (Unix time; the ledger's LEASE_GRANTED time is on the same clock
         where the scheduler runs on the same machine), seconds from the grant's arrival, and
