@@ -19,9 +19,10 @@ Reported per mode: grant to first step (median, p95: from the ledger's LEASE_GRA
 the end of the lease's first optimizer step as its worker timed it, from the worker's "lease
 ended" log line; one clock, since everything runs on this machine), with the median of each
 phase of it (the grant's way to the worker, downloads, the trainer's setup phases, the first
-step); worker-seconds per job (its leases' durations), result time per job (submit to
-SUCCEEDED), jobs per hour (jobs over first submit to last result); and whether every job's
-result sha256 equals its cold run's.
+step), and the median over the leases whose worker ran a job of the same shape just before (a
+warm worker re-initialises its adapters in place for those); worker-seconds per job (its
+leases' durations), result time per job (submit to SUCCEEDED), jobs per hour (jobs over first
+submit to last result); and whether every job's result sha256 equals its cold run's.
 """
 
 from __future__ import annotations
@@ -95,19 +96,24 @@ def leases_logged(logs: Sequence[Path]) -> dict[str, dict[str, Any]]:
 
 async def first_steps(
     conn: asyncpg.Connection, logged: dict[str, dict[str, Any]]
-) -> tuple[list[float], dict[str, list[float]]]:
+) -> tuple[dict[str, float], dict[str, list[float]], set[str]]:
     """Per lease: seconds from its LEASE_GRANTED event to the end of its first step as its
-    worker timed it (one clock: scheduler, Postgres and workers share the machine); and the
-    worker's own phases of that time, per phase."""
+    worker timed it (one clock: scheduler, Postgres and workers share the machine); the
+    worker's own phases of that time, per phase; and the leases whose worker ran a job of the
+    same shape (rank) just before (a warm worker re-initialises its adapters in place then)."""
     rows = await conn.fetch(
-        "SELECT lease_id::text, extract(epoch FROM at)::float8 AS at FROM job_events"
-        " WHERE kind = 'LEASE_GRANTED'"
+        "SELECT e.lease_id::text, extract(epoch FROM e.at)::float8 AS at,"
+        " (j.spec ->> 'lora_rank') = lag(j.spec ->> 'lora_rank')"
+        "  OVER (PARTITION BY l.machine_id ORDER BY l.granted_at) AS same_shape"
+        " FROM job_events e JOIN leases l USING (lease_id) JOIN jobs j ON j.job_id = l.job_id"
+        " WHERE e.kind = 'LEASE_GRANTED'"
     )
     granted = {r["lease_id"]: r["at"] for r in rows}
+    same_shape = {r["lease_id"] for r in rows if r["same_shape"]}
     missing = set(granted) - set(logged)
     if missing:
         raise RuntimeError(f"{len(missing)} leases logged no first step: {sorted(missing)[:3]}")
-    seconds = [logged[lease]["first_step_done_at"] - at for lease, at in granted.items()]
+    seconds = {lease: logged[lease]["first_step_done_at"] - at for lease, at in granted.items()}
     phases: dict[str, list[float]] = {"grant_to_worker": [], "unaccounted": []}
     for lease, at in granted.items():
         record = logged[lease]
@@ -119,7 +125,7 @@ async def first_steps(
         # Between the phases: handing the run to the training thread, resolving the runtime.
         timed = sum(record["setup_s"].values())
         phases["unaccounted"].append(record["grant_to_first_step_s"] - timed)
-    return seconds, phases
+    return seconds, phases, same_shape
 
 
 async def stop(processes: Sequence[asyncio.subprocess.Process]) -> None:
@@ -220,7 +226,7 @@ async def run_mode(
             await stop(processes)
             conn = await asyncpg.connect(url)
             try:
-                grant_to_step, phases = await first_steps(conn, leases_logged(logs))
+                by_lease, phases, same_shape = await first_steps(conn, leases_logged(logs))
                 rows = await conn.fetch(
                     "SELECT job_id, labels ->> 'n' AS n, result_sha256,"
                     " extract(epoch FROM finished_at - created_at)::float8 AS result_s,"
@@ -230,6 +236,8 @@ async def run_mode(
                 )
             finally:
                 await conn.close()
+        grant_to_step = list(by_lease.values())
+        same = [seconds for lease, seconds in by_lease.items() if lease in same_shape]
         results = {int(r["n"]): r["result_sha256"] for r in rows}
         worker_s = [r["worker_s"] for r in rows]
         result_s = [r["result_s"] for r in rows]
@@ -240,6 +248,11 @@ async def run_mode(
             "workers": args.workers,
             "grant_to_first_step_median_s": round(statistics.median(grant_to_step), 3),
             "grant_to_first_step_p95_s": round(percentile(grant_to_step, 0.95), 3),
+            "leases": len(grant_to_step),
+            "leases_after_same_shape": len(same),
+            "grant_to_first_step_after_same_shape_median_s": (
+                round(statistics.median(same), 3) if same else None
+            ),
             "worker_s_per_job_median": round(statistics.median(worker_s), 2),
             "worker_s_per_job_mean": round(statistics.mean(worker_s), 2),
             "result_s_median": round(statistics.median(result_s), 1),
@@ -296,6 +309,11 @@ async def main(argv: Sequence[str] | None = None) -> int:
             f" ({r['worker_s_per_job_mean']}) | {r['result_s_median']} / {r['result_s_p95']} |"
             f" {r['jobs_per_hour']} |"
         )
+    print(
+        f"\nwarm leases after a job of the same shape on their worker:"
+        f" {warm['leases_after_same_shape']} of {warm['leases']}, grant to first step median"
+        f" {warm['grant_to_first_step_after_same_shape_median_s']} s"
+    )
     ratio = warm["worker_s_per_job_mean"] / cold["worker_s_per_job_mean"]
     print(f"\nworker-seconds per job, warm / cold: {ratio:.2f}")
     print(f"results equal to their cold run's: {same} of {len(cold_results)}")
