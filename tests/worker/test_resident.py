@@ -117,7 +117,8 @@ def test_a_warm_run_trains_the_same_bits_and_leaves_the_base_model_as_loaded(
     computed = outputs(loaded)
     # Other owners' jobs first: of the job's shape (another seed, cancelled with its
     # gradients half accumulated), then the job; then the other shape twice (seeds differ),
-    # another shape between, then the job again.
+    # then the job (its adapters were kept aside), DoRA, and the job again (injected afresh:
+    # what was kept aside was the other shape's).
     same_shape = tiny_spec(
         max_train_steps=3, seed=12, lora_dropout=0.1, gradient_accumulation_steps=2
     )
@@ -128,6 +129,9 @@ def test_a_warm_run_trains_the_same_bits_and_leaves_the_base_model_as_loaded(
     assert adapter_layers(loaded) == parked  # the same modules: re-initialised in place
     lora_of(tiny_model_dir, tiny_spec(max_train_steps=2, seed=3, **encoders), resident)
     assert lora_of(tiny_model_dir, encoders_job, resident) == cold_encoders
+    assert not set(adapter_layers(loaded)) & set(parked)
+    assert lora_of(tiny_model_dir, job, resident) == cold
+    assert adapter_layers(loaded) == parked
     lora_of(tiny_model_dir, tiny_spec(max_train_steps=2, seed=5, use_dora=True), resident)
     assert lora_of(tiny_model_dir, job, resident) == cold
     assert resident.loads == 1  # nothing was loaded again
@@ -184,12 +188,14 @@ def adapter_tensors(trained: dict[str, torch.nn.Module]) -> dict[str, torch.Tens
     ids=["unet", "encoders-dora"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("between", [False, True], ids=["next", "kept-aside"])
 def test_parked_adapters_get_what_a_fresh_injection_draws(
-    tiny_model_dir: Path, shape: dict[str, Any], dtype: torch.dtype
+    tiny_model_dir: Path, shape: dict[str, Any], dtype: torch.dtype, between: bool
 ) -> None:
     """Re-initialised in place, a run's adapters hold the bits a fresh injection at its seed
     gives them and leave torch's generator where it leaves it, whatever they held before
-    (bf16: frozen weights in half precision, as on a GPU)."""
+    (bf16: frozen weights in half precision, as on a GPU); also when a run of another shape
+    came between (its adapters replaced them, which were kept aside)."""
     config = make_config(tiny_model_dir, tiny_spec())
     runtime = resolve_runtime(config)
 
@@ -218,6 +224,11 @@ def test_parked_adapters_get_what_a_fresh_injection_draws(
                     param.add_(1.0)
     park_lora(warm)
     layers = adapter_layers(warm)
+    if between:
+        with torch.random.fork_rng(devices=[]):
+            add_lora(warm, rank=2, alpha=2.0, train_text_encoder=not shape["train_text_encoder"])
+        assert not set(adapter_layers(warm)) & set(layers)
+        park_lora(warm)
     reused, reused_rng = inject(warm, seed=11)
 
     assert adapter_layers(warm) == layers  # re-initialised in place, not injected again

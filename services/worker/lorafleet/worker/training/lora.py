@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +47,8 @@ _ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 _ADAPTER = "default"
 # The `_config` arguments a module's adapters were injected with (a private module attribute).
 _SHAPE_ATTRIBUTE = "_lorafleet_adapter_shape"
+# The parked adapters of another shape a module keeps aside (`_Shelved`, or None).
+_SHELF_ATTRIBUTE = "_lorafleet_shelved_adapters"
 
 
 def add_lora(
@@ -68,9 +71,11 @@ def add_lora(
     A module that carries adapters parked by `park_lora` with the same arguments (targets,
     rank, alpha, DoRA, dropout) keeps them: they are re-initialised in place
     (`_reinitialise`), drawing exactly what a fresh injection draws, in its order, so they
-    hold the same bits and leave the generator in the same state. Adapters of another shape
-    are taken off and fresh ones injected. Either way the run starts from what it would on a
-    freshly loaded model.
+    hold the same bits and leave the generator in the same state. Parked adapters of another
+    shape are taken off and kept aside, one set per module (`_Shelved`: two job shapes
+    alternating on a worker both stay warm); the set kept aside is put back when it has the
+    shape asked for, else fresh adapters are injected. Either way the run starts from what it
+    would on a freshly loaded model.
     """
     targets = {"unet": UNET_TARGET_MODULES}
     if train_text_encoder:
@@ -80,14 +85,27 @@ def add_lora(
     # The order of a fresh injection: the UNet, then the encoders.
     for name in ("unet", "text_encoder", "text_encoder_2"):
         module = getattr(components, name)
-        if name not in targets:
-            _remove_adapters(module)
+        shape = (rank, alpha, targets[name], use_dora, dropout) if name in targets else None
+        if (
+            shape is not None
+            and getattr(module, _SHAPE_ATTRIBUTE, None) == shape
+            and _parked(module)
+        ):
+            _reinitialise(module, rank=rank, use_dora=use_dora)
+            trained[name] = module
             continue
-        shape = (rank, alpha, targets[name], use_dora, dropout)
-        if getattr(module, _SHAPE_ATTRIBUTE, None) == shape and _parked(module):
+        shelved: _Shelved | None = getattr(module, _SHELF_ATTRIBUTE, None)
+        put_back = shelved is not None and shape is not None and shelved.shape == shape
+        taken = _take_off(module)
+        if taken is not None or put_back:
+            setattr(module, _SHELF_ATTRIBUTE, taken)
+        if shape is None:
+            continue
+        if put_back:
+            assert shelved is not None
+            shelved.put_back(module)
             _reinitialise(module, rank=rank, use_dora=use_dora)
         else:
-            _remove_adapters(module)
             module.add_adapter(
                 _config(rank, alpha, targets[name], use_dora=use_dora, dropout=dropout)
             )
@@ -134,6 +152,43 @@ def _remove_adapters(module: Any) -> None:
     trainable = [name for name, p in module.named_parameters() if p.requires_grad]
     if left or trainable:
         raise RuntimeError(f"adapters left on {type(module).__name__}: {(left + trainable)[:3]}")
+
+
+@dataclass(frozen=True)
+class _Shelved:
+    """Parked adapters taken off a module and kept aside: each LoRA layer with the parent and
+    name it was attached under, and the module's peft bookkeeping."""
+
+    shape: tuple[Any, ...]
+    layers: list[tuple[Any, str, Any]]
+    peft_config: dict[str, Any]
+
+    def put_back(self, module: Any) -> None:
+        for parent, name, layer in self.layers:
+            setattr(parent, name, layer)
+        module.peft_config = self.peft_config
+        module._hf_peft_config_loaded = True
+        setattr(module, _SHAPE_ATTRIBUTE, self.shape)
+
+
+def _take_off(module: Any) -> _Shelved | None:
+    """Takes the module's adapters off: parked ones are returned to be kept aside (each layer's
+    place gets its base layer back, as peft's own removal does); any others are dropped."""
+    shape = getattr(module, _SHAPE_ATTRIBUTE, None)
+    if shape is None or not _parked(module):
+        _remove_adapters(module)
+        return None
+    layers = [
+        (parent, name, child)
+        for parent in module.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, LoraLayer)
+    ]
+    shelved = _Shelved(shape=shape, layers=layers, peft_config=module.peft_config)
+    for parent, name, layer in layers:
+        setattr(parent, name, layer.get_base_layer())
+    _remove_adapters(module)  # the bookkeeping; checks that nothing is left
+    return shelved
 
 
 def _lora_layers(module: Any) -> list[Any]:

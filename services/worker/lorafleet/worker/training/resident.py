@@ -12,7 +12,8 @@ precision (`JobSpec.resident_key`), and the compiled step of each shape it ran c
   compute exactly the base model again) with gradient checkpointing turned off and eval mode
   back on. The next run of the same adapter shape re-initialises the parked adapters in place,
   drawing exactly what a fresh injection draws (lora.py); one of another shape takes them off
-  and injects its own. They are never merged: the base weights stay bit-identical to freshly
+  and keeps them aside (one set), putting back the set kept aside when it has its shape, else
+  injecting its own. They are never merged: the base weights stay bit-identical to freshly
   loaded ones;
 * each run gets its own noise scheduler, built from the base model's scheduler config;
 * optimizer, generators, cached embeddings and latents, images: the run's own objects.
