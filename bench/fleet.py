@@ -19,8 +19,8 @@ Reported per mode: grant to first step (median, p95: from the ledger's LEASE_GRA
 the end of the lease's first optimizer step as its worker timed it, from the worker's "lease
 ended" log line; one clock, since everything runs on this machine), with the median of each
 phase of it (the grant's way to the worker, downloads, the trainer's setup phases, the first
-step), and the median over the leases whose worker ran a job of the same shape just before (a
-warm worker re-initialises its adapters in place for those); worker-seconds per job (its
+step), and the median over the leases whose worker ran a job of the same shape before (a warm
+worker re-initialises its adapters in place for those); worker-seconds per job (its
 leases' durations), result time per job (submit to SUCCEEDED), jobs per hour (jobs over first
 submit to last result); and whether every job's result sha256 equals its cold run's.
 """
@@ -100,11 +100,13 @@ async def first_steps(
     """Per lease: seconds from its LEASE_GRANTED event to the end of its first step as its
     worker timed it (one clock: scheduler, Postgres and workers share the machine); the
     worker's own phases of that time, per phase; and the leases whose worker ran a job of the
-    same shape (rank) just before (a warm worker re-initialises its adapters in place then)."""
+    same shape (rank) before (a warm worker keeps the adapters of two shapes: it re-initialises
+    them in place then)."""
     rows = await conn.fetch(
         "SELECT e.lease_id::text, extract(epoch FROM e.at)::float8 AS at,"
-        " (j.spec ->> 'lora_rank') = lag(j.spec ->> 'lora_rank')"
-        "  OVER (PARTITION BY l.machine_id ORDER BY l.granted_at) AS same_shape"
+        " EXISTS (SELECT 1 FROM leases p JOIN jobs q ON q.job_id = p.job_id"
+        "  WHERE p.machine_id = l.machine_id AND p.granted_at < l.granted_at"
+        "  AND q.spec ->> 'lora_rank' = j.spec ->> 'lora_rank') AS same_shape"
         " FROM job_events e JOIN leases l USING (lease_id) JOIN jobs j ON j.job_id = l.job_id"
         " WHERE e.kind = 'LEASE_GRANTED'"
     )
@@ -249,8 +251,8 @@ async def run_mode(
             "grant_to_first_step_median_s": round(statistics.median(grant_to_step), 3),
             "grant_to_first_step_p95_s": round(percentile(grant_to_step, 0.95), 3),
             "leases": len(grant_to_step),
-            "leases_after_same_shape": len(same),
-            "grant_to_first_step_after_same_shape_median_s": (
+            "leases_of_a_shape_run_before": len(same),
+            "grant_to_first_step_shape_run_before_median_s": (
                 round(statistics.median(same), 3) if same else None
             ),
             "worker_s_per_job_median": round(statistics.median(worker_s), 2),
@@ -310,9 +312,9 @@ async def main(argv: Sequence[str] | None = None) -> int:
             f" {r['jobs_per_hour']} |"
         )
     print(
-        f"\nwarm leases after a job of the same shape on their worker:"
-        f" {warm['leases_after_same_shape']} of {warm['leases']}, grant to first step median"
-        f" {warm['grant_to_first_step_after_same_shape_median_s']} s"
+        f"\nwarm leases of a shape their worker ran before:"
+        f" {warm['leases_of_a_shape_run_before']} of {warm['leases']}, grant to first step"
+        f" median {warm['grant_to_first_step_shape_run_before_median_s']} s"
     )
     ratio = warm["worker_s_per_job_mean"] / cold["worker_s_per_job_mean"]
     print(f"\nworker-seconds per job, warm / cold: {ratio:.2f}")
