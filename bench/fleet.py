@@ -15,11 +15,14 @@ job), submitted at once, run twice in one invocation on fresh ledgers:
 The worker settings are environment variables, so each mode is one flag; a worker that does not
 know a variable ignores it (then both modes run the same worker, and only dispatch differs).
 
-Reported per mode: grant to first step (median, p95; from the ledger's LEASE_GRANTED event to
-the lease's first HEARTBEAT past its start step, so at the heartbeat interval's resolution, 0.1 s
-here), worker-seconds per job (its leases' durations), result time per job (submit to
-SUCCEEDED), jobs per hour (jobs over first submit to last result); and whether every job's
-result sha256 equals its cold run's.
+Reported per mode: grant to first step (median, p95: from the ledger's LEASE_GRANTED event to
+the end of the lease's first optimizer step as its worker timed it, from the worker's "lease
+ended" log line; one clock, since everything runs on this machine), with the median of each
+phase of it (the grant's way to the worker, downloads, the trainer's setup phases, the first
+step), and the median over the leases whose worker ran a job of the same shape before (a warm
+worker re-initialises its adapters in place for those); worker-seconds per job (its
+leases' durations), result time per job (submit to SUCCEEDED), jobs per hour (jobs over first
+submit to last result); and whether every job's result sha256 equals its cold run's.
 """
 
 from __future__ import annotations
@@ -77,18 +80,62 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
 
 
-async def first_steps(conn: asyncpg.Connection) -> list[float]:
-    """Per lease: seconds from its grant to its first heartbeat past the step it started at."""
+def leases_logged(logs: Sequence[Path]) -> dict[str, dict[str, Any]]:
+    """The workers' "lease ended" log lines that timed a first step, by lease id."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in logs:
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("event") == "lease ended" and "first_step_done_at" in record:
+                out[record["lease_id"]] = record
+    return out
+
+
+async def first_steps(
+    conn: asyncpg.Connection, logged: dict[str, dict[str, Any]]
+) -> tuple[dict[str, float], dict[str, list[float]], set[str]]:
+    """Per lease: seconds from its LEASE_GRANTED event to the end of its first step as its
+    worker timed it (one clock: scheduler, Postgres and workers share the machine); the
+    worker's own phases of that time, per phase; and the leases whose worker ran a job of the
+    same shape (rank) before (a warm worker keeps the adapters of two shapes: it re-initialises
+    them in place then)."""
     rows = await conn.fetch(
-        """
-        SELECT extract(epoch FROM min(h.at) - g.at)::float8 AS seconds
-        FROM job_events g
-        JOIN job_events h ON h.lease_id = g.lease_id AND h.kind = 'HEARTBEAT' AND h.step > g.step
-        WHERE g.kind = 'LEASE_GRANTED'
-        GROUP BY g.lease_id, g.at
-        """
+        "SELECT e.lease_id::text, extract(epoch FROM e.at)::float8 AS at,"
+        " EXISTS (SELECT 1 FROM leases p JOIN jobs q ON q.job_id = p.job_id"
+        "  WHERE p.machine_id = l.machine_id AND p.granted_at < l.granted_at"
+        "  AND q.spec ->> 'lora_rank' = j.spec ->> 'lora_rank') AS same_shape"
+        " FROM job_events e JOIN leases l USING (lease_id) JOIN jobs j ON j.job_id = l.job_id"
+        " WHERE e.kind = 'LEASE_GRANTED'"
     )
-    return [r["seconds"] for r in rows]
+    granted = {r["lease_id"]: r["at"] for r in rows}
+    same_shape = {r["lease_id"] for r in rows if r["same_shape"]}
+    missing = set(granted) - set(logged)
+    if missing:
+        raise RuntimeError(f"{len(missing)} leases logged no first step: {sorted(missing)[:3]}")
+    seconds = {lease: logged[lease]["first_step_done_at"] - at for lease, at in granted.items()}
+    phases: dict[str, list[float]] = {"grant_to_worker": [], "unaccounted": []}
+    for lease, at in granted.items():
+        record = logged[lease]
+        # The grant's way to the worker: recorded, sent, read, a runner made.
+        arrived = record["first_step_done_at"] - record["grant_to_first_step_s"]
+        phases["grant_to_worker"].append(arrived - at)
+        for name, value in record["setup_s"].items():
+            phases.setdefault(name, []).append(value)
+        # Between the phases: handing the run to the training thread, resolving the runtime.
+        timed = sum(record["setup_s"].values())
+        phases["unaccounted"].append(record["grant_to_first_step_s"] - timed)
+    return seconds, phases, same_shape
+
+
+async def stop(processes: Sequence[asyncio.subprocess.Process]) -> None:
+    for process in processes:
+        if process.returncode is None:
+            process.terminate()
+    for process in processes:
+        await asyncio.wait_for(process.wait(), timeout=120)
 
 
 async def run_mode(
@@ -129,19 +176,22 @@ async def run_mode(
                 "LORAFLEET_PROGRESS_INTERVAL_S": "0",
                 "LORAFLEET_COMPILE_CACHE_DIR": str(root / f"compile-{mode}"),
                 "OMP_NUM_THREADS": "1",
+                "LORAFLEET_LOG_FORMAT": "json",
                 **parse_env(args.cold_env if mode == "cold" else args.warm_env),
             }
-            for n in range(args.workers):
-                processes.append(
-                    await asyncio.create_subprocess_exec(
-                        sys.executable,
-                        "-m",
-                        "lorafleet.worker",
-                        env={**env, "SALAD_MACHINE_ID": f"bench-{mode}-{n}"},
-                        stdout=asyncio.subprocess.DEVNULL,
-                        stderr=asyncio.subprocess.DEVNULL,
+            logs = [root / f"worker-{mode}-{n}.log" for n in range(args.workers)]
+            for n, log_path in enumerate(logs):
+                with log_path.open("wb") as log_file:
+                    processes.append(
+                        await asyncio.create_subprocess_exec(
+                            sys.executable,
+                            "-m",
+                            "lorafleet.worker",
+                            env={**env, "SALAD_MACHINE_ID": f"bench-{mode}-{n}"},
+                            stdout=asyncio.subprocess.DEVNULL,
+                            stderr=log_file,
+                        )
                     )
-                )
             async with grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}") as channel:
                 stub = pbgrpc.JobServiceStub(channel)
                 started = time.monotonic()
@@ -173,9 +223,12 @@ async def run_mode(
                             call.cancel()
                             break
                 wall = time.monotonic() - started
+            # A worker logs a lease's timings as the lease ends, just after its result: all
+            # of them are written once the workers have drained and exited.
+            await stop(processes)
             conn = await asyncpg.connect(url)
             try:
-                grant_to_step = await first_steps(conn)
+                by_lease, phases, same_shape = await first_steps(conn, leases_logged(logs))
                 rows = await conn.fetch(
                     "SELECT job_id, labels ->> 'n' AS n, result_sha256,"
                     " extract(epoch FROM finished_at - created_at)::float8 AS result_s,"
@@ -185,6 +238,8 @@ async def run_mode(
                 )
             finally:
                 await conn.close()
+        grant_to_step = list(by_lease.values())
+        same = [seconds for lease, seconds in by_lease.items() if lease in same_shape]
         results = {int(r["n"]): r["result_sha256"] for r in rows}
         worker_s = [r["worker_s"] for r in rows]
         result_s = [r["result_s"] for r in rows]
@@ -195,20 +250,24 @@ async def run_mode(
             "workers": args.workers,
             "grant_to_first_step_median_s": round(statistics.median(grant_to_step), 3),
             "grant_to_first_step_p95_s": round(percentile(grant_to_step, 0.95), 3),
+            "leases": len(grant_to_step),
+            "leases_of_a_shape_run_before": len(same),
+            "grant_to_first_step_shape_run_before_median_s": (
+                round(statistics.median(same), 3) if same else None
+            ),
             "worker_s_per_job_median": round(statistics.median(worker_s), 2),
             "worker_s_per_job_mean": round(statistics.mean(worker_s), 2),
             "result_s_median": round(statistics.median(result_s), 1),
             "result_s_p95": round(percentile(result_s, 0.95), 1),
             "jobs_per_hour": round(args.jobs / wall * 3600, 1),
             "wall_s": round(wall, 1),
+            "first_step_phases_median_s": {
+                name: round(statistics.median(values), 4) for name, values in phases.items()
+            },
         }
         return summary, results
     finally:
-        for process in processes:
-            if process.returncode is None:
-                process.terminate()
-        for process in processes:
-            await process.wait()
+        await stop(processes)
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.close()
 
@@ -252,6 +311,11 @@ async def main(argv: Sequence[str] | None = None) -> int:
             f" ({r['worker_s_per_job_mean']}) | {r['result_s_median']} / {r['result_s_p95']} |"
             f" {r['jobs_per_hour']} |"
         )
+    print(
+        f"\nwarm leases of a shape their worker ran before:"
+        f" {warm['leases_of_a_shape_run_before']} of {warm['leases']}, grant to first step"
+        f" median {warm['grant_to_first_step_shape_run_before_median_s']} s"
+    )
     ratio = warm["worker_s_per_job_mean"] / cold["worker_s_per_job_mean"]
     print(f"\nworker-seconds per job, warm / cold: {ratio:.2f}")
     print(f"results equal to their cold run's: {same} of {len(cold_results)}")

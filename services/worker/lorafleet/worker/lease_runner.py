@@ -57,6 +57,7 @@ from lorafleet.worker.config import WorkerConfig
 from lorafleet.worker.training import (
     CorruptCheckpoint,
     Finished,
+    RunTimings,
     Stopped,
     StopReason,
     Trainer,
@@ -339,6 +340,10 @@ class LeaseRunner:
     ) -> None:
         """`training` is the agent's training thread, which runs the lease's `Trainer.run`."""
         self.grant = grant
+        # The agent makes a runner as the grant arrives: a lease's time starts here.
+        self._granted_at = time.time()
+        self._download_s: float | None = None
+        self._run_timings: RunTimings | None = None
         self.ref = fpb.LeaseRef(lease_id=grant.lease.lease_id, epoch=grant.lease.epoch)
         self.job_id = grant.lease.job_id
         self._link = link
@@ -504,8 +509,29 @@ class LeaseRunner:
             self.result = result
             metrics.LEASES.labels(result.value).inc()
             span.set_attribute("lorafleet.lease_result", result.value)
-            self._log.info("lease ended", result=result.value, step=self.progress.latest().step)
+            self._log.info(
+                "lease ended",
+                result=result.value,
+                step=self.progress.latest().step,
+                **self.first_step_timings(),
+            )
             return result
+
+    def first_step_timings(self) -> dict[str, object]:
+        """What the lease spent before its first step, for the log (bench/fleet.py reads it):
+        when that step ended (Unix time; the ledger's LEASE_GRANTED time is on the same clock
+        where the scheduler runs on the same machine), seconds from the grant's arrival, and
+        the phases: downloads here, the trainer's setup, the first step itself."""
+        timings = self._run_timings
+        if timings is None or timings.first_step_done_at is None:
+            return {}
+        phases = {"download_inputs": self._download_s or 0.0, **timings.setup_seconds}
+        phases["first_step"] = timings.step_seconds[0]
+        return {
+            "first_step_done_at": round(timings.first_step_done_at, 4),
+            "grant_to_first_step_s": round(timings.first_step_done_at - self._granted_at, 4),
+            "setup_s": {name: round(seconds, 4) for name, seconds in phases.items()},
+        }
 
     async def _run(self) -> LeaseResult:
         try:
@@ -536,7 +562,9 @@ class LeaseRunner:
     async def _prepare_and_train(self) -> TrainingOutcome:
         spec = spec_from_proto(self.grant.spec)
         training_config = training_config_for(self._config, spec)
+        started = time.perf_counter()
         instance, class_images = await self._download_inputs(spec)
+        self._download_s = time.perf_counter() - started
         candidates = list(self._urls.checkpoints)
         while True:
             resume, candidates = await self._load_resume(candidates)
@@ -675,6 +703,7 @@ class LeaseRunner:
         # The real trainer times its snapshots (RunTimings); a stand-in may not.
         timings = getattr(trainer, "timings", None)
         self._snapshot_seconds = getattr(timings, "snapshot_seconds", [])
+        self._run_timings = timings if isinstance(timings, RunTimings) else None
         hooks = TrainingHooks(
             on_progress=self._on_progress,
             should_stop=self._should_stop,

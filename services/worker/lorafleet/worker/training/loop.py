@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -150,10 +150,22 @@ TrainingOutcome = Finished | Stopped
 
 @dataclass
 class RunTimings:
-    """Wall-clock seconds per optimizer step and per checkpoint snapshot, for metrics."""
+    """Wall-clock seconds per optimizer step and per checkpoint snapshot, for metrics; the
+    run's setup before its first step by phase; and when its first step ended (Unix time)."""
 
     step_seconds: list[float] = field(default_factory=list)
     snapshot_seconds: list[float] = field(default_factory=list)
+    setup_seconds: dict[str, float] = field(default_factory=dict)
+    first_step_done_at: float | None = None
+
+    @contextlib.contextmanager
+    def setup_phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - started
+            self.setup_seconds[name] = self.setup_seconds.get(name, 0.0) + elapsed
 
 
 class NonFinite(TrainingFailure):
@@ -279,26 +291,33 @@ class _Run:
         resume: TrainingSnapshot | None,
     ) -> TrainingOutcome:
         spec = self.spec
+        phase = self.timings.setup_phase
         self.step = self.start_step = resume.step if resume is not None else 0
         self.runtime = resolve_runtime(self.config)
         bucketing = spec.aspect_ratio_bucketing
-        instance = prepare_images(
-            instance_images, resolution=spec.resolution, kind="instance", bucketing=bucketing
-        )
-        if not instance:
-            raise input_fault("no instance images: upload at least one under instance_data_prefix")
-        supplied_class = (
-            prepare_images(
-                class_images, resolution=spec.resolution, kind="class", bucketing=bucketing
+        with phase("decode_images"):
+            instance = prepare_images(
+                instance_images, resolution=spec.resolution, kind="instance", bucketing=bucketing
             )
-            if spec.with_prior_preservation
-            else []
-        )
-        with _tracer.start_as_current_span(
-            "training.load_model", attributes={"lorafleet.core.model": self.config.model_ref}
+            if not instance:
+                raise input_fault(
+                    "no instance images: upload at least one under instance_data_prefix"
+                )
+            supplied_class = (
+                prepare_images(
+                    class_images, resolution=spec.resolution, kind="class", bucketing=bucketing
+                )
+                if spec.with_prior_preservation
+                else []
+            )
+        with (
+            _tracer.start_as_current_span(
+                "training.load_model", attributes={"lorafleet.core.model": self.config.model_ref}
+            ),
+            phase("load_model"),
         ):
             self.components = self.resident.components_for(self.config, self.runtime)
-        with _tracer.start_as_current_span("training.class_images"):
+        with _tracer.start_as_current_span("training.class_images"), phase("class_images"):
             prepared_class = self.class_images(supplied_class)
         if prepared_class is None:
             return self.stopped()
@@ -324,7 +343,7 @@ class _Run:
         # Torch ops that take no generator (LoRA initialisation, dropout) draw from the run's
         # own stream, never from the process's generators (rng.py).
         self.torch_rng = TorchRngStream(spec.seed, self.runtime.device)
-        with self.torch_rng.active():
+        with self.torch_rng.active(), phase("adapters"):
             self.trained = add_lora(
                 self.components,
                 rank=spec.lora_rank,
@@ -333,15 +352,16 @@ class _Run:
                 use_dora=spec.use_dora,
                 dropout=spec.lora_dropout,
             )
-        self.enable_training_mode()
+            self.enable_training_mode()
         self.forward_loss: Callable[..., torch.Tensor] = (
             self._loss_from_token_ids if spec.train_text_encoder else self._forward_loss
         )
         self.eager_forward_loss = self.forward_loss
         self.unet_forward = self.components.unet
-        if self.should_compile(resume):
-            self.compile_step()
-        with _tracer.start_as_current_span("training.precompute") as span:
+        with phase("compile_choice"):
+            if self.should_compile(resume):
+                self.compile_step()
+        with _tracer.start_as_current_span("training.precompute") as span, phase("precompute"):
             self.precompute_conditioning()
             self.precompute_latents()
             span.set_attribute(
@@ -349,10 +369,14 @@ class _Run:
                 self.latent_moments is not None or self.latent_list is not None,
             )
             span.set_attribute("lorafleet.embeddings_cached", self.prompt_embeds is not None)
-        self.build_optimization()
+        with phase("optimizer"):
+            self.build_optimization()
         if resume is not None:
-            with _tracer.start_as_current_span(
-                "training.restore", attributes={"lorafleet.step": resume.step}
+            with (
+                _tracer.start_as_current_span(
+                    "training.restore", attributes={"lorafleet.step": resume.step}
+                ),
+                phase("restore"),
             ):
                 self.restore(resume)
         self.start_step = self.step
@@ -661,6 +685,8 @@ class _Run:
             if self.scaler is None:
                 nonfinite |= ~torch.isfinite(loss)
             self.timings.step_seconds.append(time.perf_counter() - started)
+            if self.timings.first_step_done_at is None:
+                self.timings.first_step_done_at = time.time()
             steps_since_report += 1
             final = self.step == spec.max_train_steps
             now = time.perf_counter()

@@ -7,9 +7,14 @@ job changes: the frozen UNet, VAE, text encoders and tokenizers of one base mode
 precision (`JobSpec.resident_key`), and the compiled step of each shape it ran compiled
 (`JobSpec.compiled_shape_key`). Everything of a job lives on its run and goes with it:
 
-* a run attaches fresh adapters to the resident modules and `release_run` takes them off again
-  (never merged, so the base weights stay bit-identical to freshly loaded ones), with
-  gradient checkpointing turned off and eval mode back on;
+* a run attaches adapters to the resident modules, initialised as on a freshly loaded model,
+  and `release_run` parks them (zeroed, gradients dropped, frozen and disabled: the modules
+  compute exactly the base model again) with gradient checkpointing turned off and eval mode
+  back on. The next run of the same adapter shape re-initialises the parked adapters in place,
+  drawing exactly what a fresh injection draws (lora.py); one of another shape takes them off
+  and keeps them aside (one set), putting back the set kept aside when it has its shape, else
+  injecting its own. They are never merged: the base weights stay bit-identical to freshly
+  loaded ones;
 * each run gets its own noise scheduler, built from the base model's scheduler config;
 * optimizer, generators, cached embeddings and latents, images: the run's own objects.
 
@@ -32,7 +37,7 @@ import torch
 
 from lorafleet.worker.training.base_model import Components, load_components
 from lorafleet.worker.training.config import Runtime, TrainingConfig
-from lorafleet.worker.training.lora import remove_lora
+from lorafleet.worker.training.lora import park_lora
 
 diffusers: Any = _diffusers
 
@@ -99,9 +104,9 @@ class ResidentModel:
             self._held.compiled.pop(shape_key, None)
 
     def release_run(self, components: Components) -> None:
-        """Puts the resident modules back as they were loaded after a run or a sample task:
-        adapters off, gradient checkpointing off, eval mode. Drops the whole set if that
-        fails."""
+        """Puts the resident modules back to computing what they computed as loaded, after a
+        run or a sample task: adapters parked (`park_lora`), gradient checkpointing off, eval
+        mode. Drops the whole set if that fails."""
         if self._held is None or components.unet is not self._held.components.unet:
             return
         try:
@@ -112,7 +117,7 @@ class ResidentModel:
             for encoder in components.text_encoders:
                 if encoder.is_activation_checkpointing:
                     encoder.activation_checkpointing_disable()
-            remove_lora(components)
+            park_lora(components)
             for module in (components.unet, components.vae, *components.text_encoders):
                 module.eval()
         except Exception:
