@@ -298,10 +298,11 @@ class SimulatedTrainer:
 
     @staticmethod
     def _result(state: _State, extra: dict[str, str] | None = None) -> bytes:
-        """The "LoRA": the weights, with the step and the chain in the metadata."""
+        """The "LoRA": the weights (named as a LoRA tensor: the scheduler records only LoRA
+        files), with the step and the chain in the metadata."""
         metadata = {"lorafleet.step": str(state.step), "lorafleet.chain": state.chain.hex()}
         metadata.update(extra or {})
-        return safetensors_bytes({"weights": state.weights.contiguous()}, metadata)
+        return safetensors_bytes({"lora.weights": state.weights.contiguous()}, metadata)
 
 
 def simulated_trainer_factory(
