@@ -641,6 +641,9 @@ async def _lock_holder(conn: asyncpg.Connection) -> _Holder:
             " || ' UTC', 'at an unknown time') AS since"
             " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
             " WHERE l.locktype = 'advisory' AND l.granted"
+            # Advisory locks are per database: another deployment's scaler on the same server
+            # holds a lock of the same key in its own.
+            " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
             " AND ((l.classid::bigint << 32) | l.objid::bigint) = $1 LIMIT 1",
             SCALER_LOCK,
         )
