@@ -569,6 +569,7 @@ def main(argv: list[str] | None = None) -> None:
                         gradient_checkpointing=args.gradient_checkpointing,
                     )
                     results.append(result)
+                    _progress(result)
                 if args.reference is not None:
                     results.append(
                         run_reference(
@@ -585,9 +586,15 @@ def main(argv: list[str] | None = None) -> None:
                             gradient_checkpointing=args.gradient_checkpointing,
                         )
                     )
+                    _progress(results[-1])
     report(results, blob_bytes)
     if args.json:
         print(json.dumps([asdict(r) for r in results]))
+
+
+def _progress(result: Result) -> None:
+    """Each run's figures as it ends: a run cut short by a time limit keeps what it measured."""
+    print("run:", json.dumps(asdict(result)), flush=True)
 
 
 def report(results: list[Result], blob_bytes: int) -> None:

@@ -21,6 +21,12 @@ from lorafleet.worker.training import (
     serialize_checkpoint,
 )
 from lorafleet.worker.training.base_model import load_components
+from lorafleet.worker.training.checkpoint import (
+    DeviceSnapshotter,
+    HostTensors,
+    copy_stream,
+    to_host,
+)
 from lorafleet.worker.training.config import resolve_runtime
 from tests.support.training import (
     Recorder,
@@ -112,3 +118,50 @@ def test_a_drain_snapshot_is_a_host_copy_and_resumes_exactly(train: TrainFn) -> 
     assert all(t.device.type == "cpu" for t in stopped.snapshot.tensors.values())
     resumed = _resume_from(train, spec, stopped.snapshot)
     assert same_tensors(lora_tensors(full), lora_tensors(resumed))
+
+
+def _live_tensors(device: torch.device) -> dict[str, torch.Tensor]:
+    generator = torch.Generator(device).manual_seed(0)
+    # Large enough that a copy takes a while; two dtypes, so two staging buffers.
+    tensors = {
+        f"weight/{i}": torch.randn(1 << 22, device=device, generator=generator) for i in range(4)
+    }
+    tensors["half"] = torch.randn(4096, device=device, generator=generator).bfloat16()
+    return tensors
+
+
+def _hold(stream: Any) -> None:
+    """Keeps `stream` busy for tens of milliseconds: work queued on it after this waits."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(100_000_000)  # type: ignore[no-untyped-call]
+
+
+@pytest.mark.parametrize("reused", [True, False], ids=["snapshotter", "to_host"])
+def test_a_snapshot_survives_the_training_stream_overwriting_its_source(reused: bool) -> None:
+    """The adversary is the training stream itself: right after each snapshot it overwrites
+    the snapshotted tensors, takes the next snapshot into the same staging buffers (reused)
+    or allocates over the packed buffer it freed (to_host), while the copy stream is held
+    back, so every device-to-host copy is still queued when its source is written again. Each
+    snapshot must hold the values of the moment it was taken."""
+    device = torch.device("cuda")
+    live = _live_tensors(device)
+    snapshotter = DeviceSnapshotter(live)
+    assert snapshotter.holds(live)
+    stream = copy_stream(device)
+    expected: list[dict[str, torch.Tensor]] = []
+    snapshots: list[HostTensors] = []
+    for _ in range(3):
+        expected.append({key: value.cpu() for key, value in live.items()})
+        _hold(stream)
+        snapshots.append(snapshotter.snapshot({}) if reused else to_host(live))
+        for value in live.values():
+            value.mul_(-1.5).add_(1.0)
+        # Fresh allocations that could take over freed device memory, then written.
+        scratch = [torch.empty_like(value).fill_(float("nan")) for value in live.values()]
+        del scratch
+    for taken, values in zip(snapshots, expected, strict=True):
+        assert set(taken) == set(values)
+        for key, value in values.items():
+            assert torch.equal(taken[key], value), key
+    # Replacing a tensor object (as restoring the optimizer does) needs a new snapshotter.
+    assert not snapshotter.holds({**live, "half": live["half"].clone()})

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from PIL import Image
 
 from lorafleet.core.model import FailureClass
-from lorafleet.worker.training import Finished, TrainingFailure, TrainingImage, loop
+from lorafleet.worker.training import Finished, TrainingFailure, TrainingImage, loop, lora
 from lorafleet.worker.training.serialization import safetensors_metadata
 from tests.support.images import image_bytes
 from tests.support.training import (
@@ -200,6 +200,27 @@ def test_bf16_mixed_precision_trains_fp32_lora(train: TrainFn) -> None:
     tensors = lora_tensors(bf16)
     assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in tensors.values())
     assert not same_tensors(lora_tensors(fp32), tensors)
+
+
+def test_skipping_peft_input_casts_under_autocast_trains_the_same_bits(
+    train: TrainFn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under autocast the trainer turns off peft's cast of each LoRA layer's input to the fp32
+    adapter weights (autocast casts it straight back): fewer kernels, the same bits."""
+    spec = tiny_spec(mixed_precision="bf16", train_text_encoder=True, max_train_steps=3)
+    calls: list[bool] = []
+    real = lora.set_input_casting
+
+    def recorded(modules: Any, *, enabled: bool) -> None:
+        calls.append(enabled)
+        real(modules, enabled=enabled)
+
+    monkeypatch.setattr(loop, "set_input_casting", recorded)
+    skipped, _ = train(spec)
+    assert calls == [False]
+    monkeypatch.setattr(loop, "set_input_casting", lambda modules, *, enabled: None)
+    cast, _ = train(spec)
+    assert same_tensors(lora_tensors(skipped), lora_tensors(cast))
 
 
 def test_fp16_on_cpu_is_an_input_fault(train: TrainFn) -> None:

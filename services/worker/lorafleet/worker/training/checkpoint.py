@@ -130,6 +130,50 @@ class HostTensors(Mapping[str, torch.Tensor]):
 _copy_streams: dict[torch.device, Any] = {}
 
 
+def copy_stream(device: torch.device) -> Any:
+    stream = _copy_streams.get(device)
+    if stream is None:
+        stream = _copy_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return stream
+
+
+def _to_pinned(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Queues the copy of a device buffer into new pinned host memory on the device's side
+    stream, after the work queued so far on the current stream; returns the host buffer and an
+    event recorded after the copy. No host sync: the copy overlaps the next step."""
+    stream = copy_stream(packed.device)
+    stream.wait_stream(torch.cuda.current_stream(packed.device))
+    with torch.cuda.stream(stream):
+        host = torch.empty(packed.numel(), dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+    # Blocking: the serialising thread sleeps while it waits instead of spinning.
+    event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+    event.record(stream)
+    return host, event
+
+
+def _layout(items: list[tuple[str, torch.Tensor]]) -> Layout:
+    layout: Layout = []
+    offset = 0
+    for key, value in items:
+        layout.append((key, value.shape, offset))
+        offset += value.numel()
+    return layout
+
+
+def _groups(
+    tensors: Mapping[str, torch.Tensor],
+) -> list[tuple[torch.device, list[tuple[str, torch.Tensor]]]]:
+    """The tensors grouped per device and dtype, in the checkpoint's canonical order (widest
+    dtype first, then by key, as `serialize_checkpoint` writes them): then a pack's tensors lie
+    in the file as they lie in the pack, and the writer copies whole packs."""
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    for key, tensor in tensors.items():
+        groups.setdefault((tensor.device, tensor.dtype), []).append((key, tensor.detach()))
+    ordered = sorted(groups.items(), key=lambda group: -group[0][1].itemsize)
+    return [(device, sorted(items, key=lambda item: item[0])) for (device, _), items in ordered]
+
+
 def to_host(tensors: Mapping[str, torch.Tensor]) -> HostTensors:
     """Host copies that the run never writes again, packed per device and dtype.
 
@@ -139,36 +183,85 @@ def to_host(tensors: Mapping[str, torch.Tensor]) -> HostTensors:
     which cannot write the packed buffer. One transfer per dtype instead of one per tensor: a
     full-size LoRA's optimizer state is thousands of tensors, and copying them one by one into
     newly pinned memory stalled training for 0.2 s (docs/BENCHMARKS.md, "On a GPU").
+    `DeviceSnapshotter` does the same for a run's device tensors with the work per tensor
+    done once.
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
-    for key, tensor in tensors.items():
-        groups.setdefault((tensor.device, tensor.dtype), []).append((key, tensor.detach()))
     packs: list[tuple[torch.Tensor, Layout]] = []
     copied: list[Any] = []
-    for (device, dtype), items in groups.items():
+    for device, items in _groups(tensors):
         packed = torch.cat([value.reshape(-1) for _, value in items])
         if device.type != "cpu":
-            stream = _copy_streams.get(device)
-            if stream is None:
-                stream = _copy_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                host = torch.empty(packed.numel(), dtype=dtype, pin_memory=True)
-                host.copy_(packed, non_blocking=True)
+            host, event = _to_pinned(packed)
             # The training stream may reuse `packed`'s memory only after the copy has read it.
-            packed.record_stream(stream)
-            # Blocking: the serialising thread sleeps while it waits instead of spinning.
-            event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-            event.record(stream)
+            packed.record_stream(copy_stream(device))
             copied.append(event)
             packed = host
-        layout: Layout = []
-        offset = 0
-        for key, value in items:
-            layout.append((key, value.shape, offset))
-            offset += value.numel()
-        packs.append((packed, layout))
+        packs.append((packed, _layout(items)))
     return HostTensors(packs, copied)
+
+
+class DeviceSnapshotter:
+    """Host copies of one fixed set of device tensors (a run's LoRA weights and optimizer
+    state), taken again and again with the Python work per tensor done once.
+
+    Built from the tensors of a run's first checkpoint: per device and dtype a staging buffer
+    on the device and a view of it for each tensor. A snapshot is one `torch._foreach_copy_`
+    of the live tensors into those views (a few multi-tensor kernels on the training stream,
+    ordered after the step that wrote them), then one copy per staging buffer into new pinned
+    host memory on a side stream, as `to_host`. Before the training stream writes a staging
+    buffer again it waits (on the GPU, not the host) for the previous snapshot's copy out of
+    it, so a snapshot whose copy is still queued is never overwritten. The per-tensor
+    `detach`, `reshape` and `cat` arguments of `to_host` cost a full-size run's training
+    thread 45 ms at every checkpoint (docs/BENCHMARKS.md, "On a GPU").
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._keys = list(tensors)
+        # The live objects, compared by identity: the same objects hold the same storage.
+        self._live = list(tensors.values())
+        self._groups: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], Layout]]
+        self._groups = []
+        for device, items in _groups(tensors):
+            if device.type == "cpu":
+                raise ValueError(f"{items[0][0]} is not on a GPU")
+            layout = _layout(items)
+            total = sum(value.numel() for _, value in items)
+            staging = torch.empty(total, dtype=items[0][1].dtype, device=device)
+            views = [staging[o : o + shape.numel()].view(shape) for _, shape, o in layout]
+            self._groups.append((staging, views, [v for _, v in items], layout))
+        # Per staging buffer, the event after the newest copy out of it.
+        self._copied: list[Any] = [None] * len(self._groups)
+
+    def holds(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether `tensors` are exactly the tensor objects this was built from, in order."""
+        return (
+            len(tensors) == len(self._live)
+            and all(a is b for a, b in zip(tensors.values(), self._live, strict=True))
+            and list(tensors) == self._keys
+        )
+
+    def packs(self) -> tuple[list[tuple[torch.Tensor, Layout]], list[Any]]:
+        """Queues the copies; returns the host buffers with their layouts, and the events
+        recorded after the copies (for `HostTensors`)."""
+        packs: list[tuple[torch.Tensor, Layout]] = []
+        events: list[Any] = []
+        for index, (staging, views, sources, layout) in enumerate(self._groups):
+            previous = self._copied[index]
+            if previous is not None:
+                torch.cuda.current_stream(staging.device).wait_event(previous)
+            with torch.no_grad():
+                torch._foreach_copy_(views, sources)
+            host, event = _to_pinned(staging)
+            self._copied[index] = event
+            events.append(event)
+            packs.append((host, layout))
+        return packs, events
+
+    def snapshot(self, extra: Mapping[str, torch.Tensor]) -> HostTensors:
+        """The tensors' host copies plus `extra` (host tensors, copied with `to_host`)."""
+        packs, events = self.packs()
+        rest = to_host(extra)
+        return HostTensors([*packs, *rest.packs()], events)
 
 
 def serialize_checkpoint(snapshot: TrainingSnapshot) -> bytes:
@@ -185,19 +278,36 @@ def serialize_checkpoint(snapshot: TrainingSnapshot) -> bytes:
     state["step"] = snapshot.step
     tensors = snapshot.tensors
     host = tensors if isinstance(tensors, HostTensors) else to_host(tensors)
+    raws = [
+        memoryview(buffer.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
+        for buffer, _ in host.packs()
+    ]
+    # (-width, key, dtype, shape, pack, first byte, bytes) per tensor, in the canonical order.
     entries = []
-    for buffer, layout in host.packs():
+    for pack, (buffer, layout) in enumerate(host.packs()):
         width = buffer.element_size()
-        raw = memoryview(buffer.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
         for key, shape, offset in layout:
-            entries.append(
-                (-width, key, buffer.dtype, shape, raw[offset * width :][: shape.numel() * width])
-            )
+            size = shape.numel() * width
+            entries.append((-width, key, buffer.dtype, shape, pack, offset * width, size))
     entries.sort(key=lambda entry: (entry[0], entry[1]))
-    parts = safetensors_parts(
-        [entry[1:] for entry in entries],
+    header, *_ = safetensors_parts(
+        [
+            (key, dtype, shape, raws[pack][start : start + size])
+            for _, key, dtype, shape, pack, start, size in entries
+        ],
         {_STATE_KEY: json.dumps(state, separators=(",", ":"), sort_keys=True)},
     )
+    # Tensors that lie next to each other in a pack are written as one slice: with packs in
+    # the canonical order (`_groups`) that is one slice per pack, so hashing drops and takes
+    # back the GIL a few times instead of once per tensor (which slowed the training thread).
+    slices: list[list[int]] = []
+    for _, _, _, _, pack, start, size in entries:
+        if slices and slices[-1][0] == pack and slices[-1][2] == start:
+            slices[-1][2] = start + size
+        else:
+            slices.append([pack, start, start + size])
+    parts: list[bytes | memoryview] = [header]
+    parts.extend(raws[pack][start:end] for pack, start, end in slices)
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)  # releases the GIL for large parts

@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +33,8 @@ from lorafleet.worker.training.base_model import (
     tokenize,
 )
 from lorafleet.worker.training.checkpoint import (
+    DeviceSnapshotter,
+    HostTensors,
     TrainingSnapshot,
     join_tensors,
     split_tensors,
@@ -59,6 +61,7 @@ from lorafleet.worker.training.lora import (
     kohya_weights_bytes,
     lora_parameters,
     lora_weights_bytes,
+    set_input_casting,
 )
 from lorafleet.worker.training.objective import (
     draw_noise,
@@ -277,6 +280,7 @@ class _Run:
         # The newest state known finite: where a compiled run that turns non-finite goes on
         # from, eager.
         self.last_good: TrainingSnapshot | None = None
+        self.snapshot_plan: _SnapshotPlan | None = None
         self.pending_stop: StopReason | None = None
         self.step = 0
         self.start_step = 0
@@ -549,6 +553,13 @@ class _Run:
         components = self.components
         for module in self.trained.values():
             module.train()
+        if self.runtime.mixed_precision != "no" and not self.spec.use_dora:
+            # peft casts each LoRA layer's input to its fp32 weights, and autocast casts it
+            # straight back for the matmul: a lossless round trip, two copy kernels and their
+            # backward per layer, a sixth of a full-size step's launches. Skipped under
+            # autocast (the result is bit-identical; DoRA's own arithmetic would see another
+            # dtype, so it keeps the cast); park_lora turns the cast on again.
+            set_input_casting(self.trained.values(), enabled=False)
         if self.spec.gradient_checkpointing:
             components.unet.enable_gradient_checkpointing()
             for name in ("text_encoder", "text_encoder_2"):
@@ -763,7 +774,6 @@ class _Run:
     def micro_step(self, examples: list[Example]) -> torch.Tensor:
         """Forward and backward of one micro-batch; gradients add up until apply_gradients.
         Returns the micro-batch's loss, detached."""
-        device = self.runtime.device
         latents = self.latents(examples)
         noise, timesteps = draw_noise(
             latents,
@@ -771,7 +781,7 @@ class _Run:
             noise_offset=self.spec.noise_offset,
             num_train_timesteps=self.num_train_timesteps,
         )
-        time_ids = self.data.time_ids(examples).to(device, non_blocking=True)
+        time_ids = self.to_device(self.data.time_ids(examples))
         loss = self.forward_loss(
             latents, noise, timesteps, time_ids, *self.conditioning_inputs(examples)
         )
@@ -849,7 +859,7 @@ class _Run:
     def latents(self, examples: list[Example]) -> torch.Tensor:
         """Scaled latents sampled from the VAE posterior with the run's noise generator."""
         if self.latent_moments is not None:
-            index = torch.tensor([s.image for s in examples], device=self.runtime.device)
+            index = self.indices([s.image for s in examples])
             moments = self.latent_moments.index_select(0, index)
         elif self.latent_list is not None:
             moments = torch.cat([self.latent_list[s.image] for s in examples])
@@ -863,15 +873,25 @@ class _Run:
         """What `_forward_loss` conditions on, and the row of it for each example: the cached
         (prompt embeddings, pooled embeddings) with frozen encoders; with trained ones the token
         ids of each distinct prompt of the batch, encoded once (picked on the host: no sync)."""
-        device = self.runtime.device
         rows = [self.data.prompt_of[s.image] for s in examples]
         if self.prompt_embeds is not None:
-            return self.prompt_embeds, torch.tensor(rows, device=device)
+            return self.prompt_embeds, self.indices(rows)
         assert self.token_ids is not None
         distinct = sorted(set(rows))
-        picked = torch.tensor(distinct, device=device)
+        picked = self.indices(distinct)
         ids = (self.token_ids[0][picked], self.token_ids[1][picked])
-        return ids, torch.tensor([distinct.index(r) for r in rows], device=device)
+        return ids, self.indices([distinct.index(r) for r in rows])
+
+    def indices(self, values: list[int]) -> torch.Tensor:
+        """A step's few indices as a device tensor, without a host sync: from a GPU's view,
+        a copy out of pageable memory waits for the stream to drain (two such copies a step
+        kept the host from queueing ahead of the GPU), one out of pinned memory does not."""
+        return self.to_device(torch.tensor(values, dtype=torch.long))
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.runtime.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.runtime.device, non_blocking=True)
 
     def loss(
         self,
@@ -911,38 +931,36 @@ class _Run:
 
     def snapshot(self) -> TrainingSnapshot:
         """Host copies of everything the run needs to continue exactly after `self.step`."""
-        live: dict[str, torch.Tensor] = dict(self._live_lora)
         optimizer_state = self.optimizer.state_dict()
-        per_param = {
-            str(index): split_tensors(values, f"optimizer/{index}", live)
-            for index, values in optimizer_state["state"].items()
+        plan = self.snapshot_plan
+        if plan is None or not plan.holds(optimizer_state["state"]):
+            plan = self.snapshot_plan = _SnapshotPlan(self._live_lora, optimizer_state["state"])
+        extra: dict[str, torch.Tensor] = {
+            "rng/data": self.data_generator.get_state(),
+            "rng/noise": self.noise_generator.get_state(),
+            "rng/torch": self.torch_rng.cpu_state,
         }
-        live["rng/data"] = self.data_generator.get_state()
-        live["rng/noise"] = self.noise_generator.get_state()
-        live["rng/torch"] = self.torch_rng.cpu_state
         device_key = self.torch_rng.device_key
         if device_key is not None:
             assert self.torch_rng.device_state is not None
-            live[device_key] = self.torch_rng.device_state
-        tensors = to_host(live)
+            extra[device_key] = self.torch_rng.device_state
+        tensors = plan.host_tensors(extra)
         scaler = self.scaler
         state = {
             "fingerprint": self.fingerprint,
             "loss": self.last_loss,
             "data_order": self.data.order.state(),
-            "optimizer": {
-                "param_groups": optimizer_state["param_groups"],
-                "state": per_param,
-            },
+            "optimizer": {"param_groups": optimizer_state["param_groups"]},
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
             "rng": {"noise_device": self.runtime.device.type},
         }
         # A JSON round trip both deep-copies (nothing shared with the live run) and proves the
-        # state is plain JSON before it leaves the training thread.
-        return TrainingSnapshot(
-            step=self.step, tensors=tensors, state=json.loads(json.dumps(state))
-        )
+        # state is plain JSON before it leaves the training thread. The optimizer's per-tensor
+        # references are the plan's, already plain JSON, and never written by anyone.
+        state = json.loads(json.dumps(state))
+        state["optimizer"]["state"] = plan.optimizer_references
+        return TrainingSnapshot(step=self.step, tensors=tensors, state=state)
 
     def restore(self, snapshot: TrainingSnapshot) -> None:
         try:
@@ -1000,6 +1018,64 @@ class _Run:
             self.torch_rng.device_state = tensors[device_key].clone()
         self.step = snapshot.step
         self.last_loss = float(state["loss"])
+
+
+class _SnapshotPlan:
+    """What a run's snapshot copies, worked out once (at its first checkpoint) and reused while
+    the optimizer keeps the same state tensors, which it updates in place: the checkpoint
+    keys of the LoRA weights and optimizer state, the optimizer state's JSON skeleton (tensor
+    references by key), and on a GPU the `DeviceSnapshotter` of those tensors. Walking
+    thousands of state tensors and round-tripping their references through JSON at every
+    checkpoint was most of a full-size run's snapshot time. State that is not all tensors
+    (an optimizer keeping Python numbers) gets a new plan at every snapshot."""
+
+    def __init__(
+        self, lora: Mapping[str, torch.Tensor], state: Mapping[int, Mapping[str, Any]]
+    ) -> None:
+        self.tensors: dict[str, torch.Tensor] = dict(lora)
+        references = {
+            str(index): split_tensors(values, f"optimizer/{index}", self.tensors)
+            for index, values in state.items()
+        }
+        self.optimizer_references: dict[str, Any] = json.loads(json.dumps(references))
+        self._state = _flat_state(state)
+        on_device = {k: v for k, v in self.tensors.items() if v.device.type != "cpu"}
+        self._on_host = {k: v for k, v in self.tensors.items() if v.device.type == "cpu"}
+        self._device = (
+            DeviceSnapshotter(on_device) if on_device and self._state is not None else None
+        )
+
+    def holds(self, state: Mapping[int, Mapping[str, Any]]) -> bool:
+        """Whether the optimizer state is still the tensors this plan was made from."""
+        if self._state is None:
+            return False
+        flat = _flat_state(state)
+        return (
+            flat is not None
+            and len(flat) == len(self._state)
+            and all(
+                a is b if isinstance(a, torch.Tensor) else a == b
+                for a, b in zip(flat, self._state, strict=True)
+            )
+        )
+
+    def host_tensors(self, extra: Mapping[str, torch.Tensor]) -> HostTensors:
+        if self._device is None:
+            return to_host({**self.tensors, **extra})
+        return self._device.snapshot({**self._on_host, **extra})
+
+
+def _flat_state(state: Mapping[int, Mapping[str, Any]]) -> list[Any] | None:
+    """The optimizer state as one list (index, name, tensor, ...), or None when a value is not
+    a tensor (it could change without the state's objects changing)."""
+    flat: list[Any] = []
+    for index, values in state.items():
+        flat.append(index)
+        for name, value in values.items():
+            if not isinstance(value, torch.Tensor):
+                return None
+            flat.extend((name, value))
+    return flat
 
 
 def _prodigy(groups: list[dict[str, Any]], spec: JobSpec, kwargs: dict[str, Any]) -> Any:

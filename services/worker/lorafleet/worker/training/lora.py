@@ -10,7 +10,7 @@ scale) and not only the rank. It is built in memory: the diffusers helper writes
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,11 +128,20 @@ def park_lora(components: Components) -> None:
                     param.zero_()
             layer.enable_adapters(False)  # also freezes them
             layer._caches.clear()
+            layer.cast_input_dtype_enabled = True
         trainable = [name for name, p in module.named_parameters() if p.requires_grad]
         if trainable:
             raise RuntimeError(
                 f"trainable weights left on {type(module).__name__}: {trainable[:3]}"
             )
+
+
+def set_input_casting(modules: Iterable[Any], *, enabled: bool) -> None:
+    """Whether the LoRA layers of `modules` cast their input to the adapter weights' dtype
+    (peft's default, needed without autocast when the frozen weights are in another dtype)."""
+    for module in modules:
+        for layer in _lora_layers(module):
+            layer.cast_input_dtype_enabled = enabled
 
 
 def _remove_adapters(module: Any) -> None:
