@@ -341,14 +341,14 @@ def main(argv: list[str] | None = None) -> None:
         "matmul_tflops": matmul_tflops(),
     }
     sections: dict[str, Callable[[], Any]] = {
-        "warm start": lambda: {
+        "warm_start": lambda: {
             **bench.warm_start(label="cold"),
             **bench.warm_start(label="warm"),
         },
-        "eager frozen": lambda: bench.throughput(
+        "eager_frozen": lambda: bench.throughput(
             text_encoder=False, warmup=args.warmup, steps=args.steps
         ),
-        "eager trained": lambda: bench.throughput(
+        "eager_trained": lambda: bench.throughput(
             text_encoder=True, warmup=args.warmup, steps=args.steps
         ),
         "checkpoints": lambda: bench.checkpoints(steps=31, every=5),
@@ -404,7 +404,7 @@ def _summary(results: dict[str, Any]) -> None:
     peak = results["matmul_tflops"] * 1e12
     print(f"\n{results['gpu']}, torch {results['torch']}, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
     flops = results.get("flops", {})
-    for label, key in (("frozen", "eager frozen"), ("trained", "eager trained")):
+    for label, key in (("frozen", "eager_frozen"), ("trained", "eager_trained")):
         figures = results.get(key, {})
         step = figures.get("s_per_step")
         if step is None:
@@ -432,7 +432,7 @@ def _summary(results: dict[str, Any]) -> None:
             f" {checkpoints['median_step_s']:.4f} s: stall"
             f" {checkpoints['stall_fraction_of_step']:.1%} of a step"
         )
-    warm = results.get("warm start", {})
+    warm = results.get("warm_start", {})
     if "warm_grant_to_first_step_s" in warm:
         print(
             f"grant to first step: cold {warm['cold_grant_to_first_step_s']:.2f} s,"
