@@ -149,23 +149,30 @@ async def audit_and_report(
     pace = [float(r["progress_s_per_step"]) for r in jobs.values() if r["progress_s_per_step"]]
     s_per_step = statistics.median(pace) if pace else float(settings["step_s"])
     ttl_steps = math.ceil(float(settings["lease_ttl_s"]) / max(s_per_step, 1e-6))
-    bound = interval + ttl_steps
     lost: list[int] = []
+    # Per interruption: the interval of the lease that was interrupted (with auto, each lease's
+    # own, as the scheduler chose and recorded it at the grant).
+    lost_intervals: list[int] = []
     end_reasons: Counter[str] = Counter()
     for job_id, job_leases in by_job.items():
         for earlier, later in itertools.pairwise(job_leases):
             end_reasons[str(earlier["end_reason"])] += 1
+            lease_interval = int(earlier["lease_checkpoint_steps"] or interval or settings["steps"])
+            bound = lease_interval + ttl_steps
             # The furthest the earlier lease got as the ledger saw it (heartbeats, commits).
             seen = reached.get((job_id, int(earlier["epoch"])), 0)
             resumed = max(
                 (step for at, step in committed[job_id] if at <= later["granted_at"]), default=0
             )
             lost.append(max(0, seen - resumed))
+            lost_intervals.append(lease_interval)
             if seen - resumed > bound:
                 failures.append(
                     f"job {job_id}: {seen - resumed} steps lost before epoch {later['epoch']}"
-                    f" (bound {bound})"
+                    f" (bound {bound}: its lease's interval plus one lease TTL of steps)"
                 )
+    chosen = [int(r["lease_checkpoint_steps"]) for r in leases if r["lease_checkpoint_steps"]]
+    committed_count = sum(1 for e in events if e["kind"] == "CHECKPOINT_COMMITTED")
 
     # Results against the fault-free runs.
     mismatched = 0
@@ -262,15 +269,26 @@ async def audit_and_report(
         "price_per_gpu_hour_usd": settings["price_per_gpu_hour"],
         "manual_actions": 0,
         "lease_ends_before_a_new_lease": dict(end_reasons),
+        "checkpoint_interval": interval or "auto",
+        "intervals_chosen (auto, per lease)": _stats([float(x) for x in chosen]),
+        "checkpoints_committed": committed_count,
+        "checkpoints_per_job": round(committed_count / n, 2),
+        "steps_lost_total": sum(lost),
         "steps_lost_per_interruption": {
             "count": len(lost),
             **_stats([float(x) for x in lost]),
-            "bound (interval + steps in one lease TTL)": bound,
-            "over_one_interval": sum(1 for x in lost if x > interval),
-            "over_two_intervals": sum(1 for x in lost if x > 2 * interval),
-            "histogram_by_interval": {
-                f"<={(k + 1) * interval}": c
-                for k, c in sorted(Counter(max(0, x - 1) // interval for x in lost).items())
+            "bound": "the lease's interval + steps in one lease TTL (" + str(ttl_steps) + ")",
+            "over_one_interval": sum(1 for x, i in zip(lost, lost_intervals, strict=True) if x > i),
+            "over_two_intervals": sum(
+                1 for x, i in zip(lost, lost_intervals, strict=True) if x > 2 * i
+            ),
+            "histogram_by_intervals": {
+                f"<={k + 1} intervals": c
+                for k, c in sorted(
+                    Counter(
+                        max(0, x - 1) // i for x, i in zip(lost, lost_intervals, strict=True)
+                    ).items()
+                )
             },
         },
         "faults": {

@@ -86,6 +86,12 @@ async def test_a_job_trains_the_same_bits_on_a_fresh_worker_and_a_warm_one(
         announced = warm.warm_state()
         assert announced.resident == spec_from_proto(again.spec).resident_key
         assert list(announced.compiled_shapes) == []  # nothing compiled: short jobs run eager
+        # Parked: the job's adapters on the UNet, and the DoRA job's kept aside (the encoders
+        # hold only bob's rank-8 ones, of no other shape announced).
+        assert list(announced.adapter_shapes) == [
+            spec_from_proto(again.spec).adapter_shape_key,
+            spec_from_proto(second.spec).adapter_shape_key,
+        ]
 
     assert warm_done.result.sha256 == cold_done.result.sha256
     # The lease timed its way from the grant to its first step, phase by phase: the phases

@@ -1,6 +1,7 @@
 """Warm dispatch: a worker is offered the queued job it says it holds warm (compiled shape, else
-base model), within the strict queue order's classes (re-queued first, then priority) and the
-fairness bound; what it says is unverified and changes only which claimable job it gets."""
+parked adapter shape, else base model), within the strict queue order's classes (re-queued
+first, then priority) and the fairness bound; what it says is unverified and changes only which
+claimable job it gets."""
 
 from __future__ import annotations
 
@@ -31,8 +32,19 @@ def keys(**overrides: Any) -> tuple[str, str]:
     return job_spec.resident_key, job_spec.compiled_shape_key
 
 
-def warm(*, resident: str = "", shapes: tuple[str, ...] = ()) -> fpb.Ready:
-    return fpb.Ready(warm=fpb.WarmState(resident=resident, compiled_shapes=list(shapes)))
+def adapter_key(**overrides: Any) -> str:
+    """The adapter_shape_key of the spec the scheduler stores for these fields."""
+    return spec_from_proto(spec(**overrides)).adapter_shape_key
+
+
+def warm(
+    *, resident: str = "", shapes: tuple[str, ...] = (), adapters: tuple[str, ...] = ()
+) -> fpb.Ready:
+    return fpb.Ready(
+        warm=fpb.WarmState(
+            resident=resident, compiled_shapes=list(shapes), adapter_shapes=list(adapters)
+        )
+    )
 
 
 async def granted_job(worker: ScriptedWorker, ready: fpb.Ready) -> str:
@@ -96,6 +108,31 @@ async def test_the_compiled_shape_wins_over_the_base_model_which_wins_over_age(
         assert await granted_job(m1, ready) == b1.job_id
         assert await granted_job(m2, warm(resident=other_resident)) == other.job_id
         assert await granted_job(m3, warm()) == a1.job_id
+
+
+@pytest.mark.parametrize("scheduler_overrides", [{"warm_dispatch_bound_s": 600.0}])
+async def test_a_parked_adapter_shape_comes_after_the_compiled_shape_before_the_base_model(
+    fleet: Fleet,
+) -> None:
+    """Shape C differs from A only in its adapters (rank 8): a worker whose resident model
+    holds rank-8 adapters parked is offered C before the older A; one that also holds A's
+    step compiled is offered A."""
+    shape_c: dict[str, Any] = dict(SHAPE_A, lora_rank=8)
+    a1 = await fleet.alice.submit(**SHAPE_A)
+    c1 = await fleet.alice.submit(**shape_c)
+    a2 = await fleet.alice.submit(**SHAPE_A)
+    resident, compiled_a = keys(**SHAPE_A)
+    assert adapter_key(**shape_c) != adapter_key(**SHAPE_A)
+    async with (
+        connect_worker(fleet.channel, fleet.token, "m1") as m1,
+        connect_worker(fleet.channel, fleet.token, "m2") as m2,
+        connect_worker(fleet.channel, fleet.token, "m3") as m3,
+    ):
+        parked_c = warm(resident=resident, adapters=(adapter_key(**shape_c),))
+        assert await granted_job(m1, parked_c) == c1.job_id
+        both = warm(resident=resident, shapes=(compiled_a,), adapters=(adapter_key(**shape_c),))
+        assert await granted_job(m2, both) == a1.job_id
+        assert await granted_job(m3, warm(resident=resident)) == a2.job_id
 
 
 @pytest.mark.parametrize("scheduler_overrides", [{"warm_dispatch_bound_s": 5.0}])
@@ -179,6 +216,8 @@ async def test_a_worker_lying_about_its_warm_state_only_changes_which_job_it_get
         (warm(shapes=("ok", "y" * (MAX_WARM_KEY_CHARS + 1))), "compiled_shapes[1]"),
         (warm(resident="r" * (MAX_WARM_KEY_CHARS + 1)), "ready.warm.resident"),
         (warm(resident="a\x00b"), "ready.warm.resident"),
+        (warm(adapters=tuple(f"a{i}" for i in range(MAX_WARM_SHAPES + 1))), "adapter_shapes"),
+        (warm(adapters=("z" * (MAX_WARM_KEY_CHARS + 1),)), "ready.warm.adapter_shapes[0]"),
     ],
 )
 async def test_an_oversized_warm_state_is_refused_naming_the_field(
@@ -213,22 +252,30 @@ async def test_jobs_from_before_warm_dispatch_get_their_keys_from_the_spec(
     )
     conn = await asyncpg.connect(database_url)
     try:
-        await conn.execute("UPDATE jobs SET resident_key = NULL, compiled_shape_key = NULL")
+        # The first two jobs as submitted before 0016, the second as before 0019 too.
+        await conn.execute(
+            "UPDATE jobs SET resident_key = NULL, compiled_shape_key = NULL,"
+            " adapter_shape_key = NULL WHERE job_id = $1::uuid",
+            jobs[0].job_id,
+        )
+        await conn.execute("UPDATE jobs SET adapter_shape_key = NULL")
         await conn.execute(
             "UPDATE jobs SET state = 'CANCELED', finished_at = now() WHERE job_id = $1::uuid",
             jobs[2].job_id,
         )
         assert await ledger.fill_warm_keys(batch=1) == 2
         rows = {
-            str(r["job_id"]): (r["resident_key"], r["compiled_shape_key"])
-            for r in await conn.fetch("SELECT job_id, resident_key, compiled_shape_key FROM jobs")
+            str(r["job_id"]): (r["resident_key"], r["compiled_shape_key"], r["adapter_shape_key"])
+            for r in await conn.fetch(
+                "SELECT job_id, resident_key, compiled_shape_key, adapter_shape_key FROM jobs"
+            )
         }
     finally:
         await conn.close()
     assert rows == {
-        jobs[0].job_id: keys(**SHAPE_A),
-        jobs[1].job_id: keys(**OTHER_MODEL),
-        jobs[2].job_id: (None, None),
+        jobs[0].job_id: (*keys(**SHAPE_A), adapter_key(**SHAPE_A)),
+        jobs[1].job_id: (*keys(**OTHER_MODEL), adapter_key(**OTHER_MODEL)),
+        jobs[2].job_id: (*keys(**SHAPE_B), None),
     }
 
 

@@ -18,7 +18,7 @@ from lorafleet.core.spec import JobSpec
 from lorafleet.worker.training import Finished, StopReason, Trainer, TrainingHooks
 from lorafleet.worker.training.base_model import Components, load_components
 from lorafleet.worker.training.config import resolve_runtime
-from lorafleet.worker.training.lora import add_lora, park_lora
+from lorafleet.worker.training.lora import add_lora, park_lora, parked_shapes
 from lorafleet.worker.training.resident import ResidentModel
 from tests.support.training import Recorder, instance_images, make_config, tiny_spec
 
@@ -238,3 +238,24 @@ def test_parked_adapters_get_what_a_fresh_injection_draws(
     assert torch.equal(reused_rng, fresh_rng)
     for module in (warm.unet, *warm.text_encoders):
         assert all(p.grad is None for p in module.parameters())
+
+
+def test_parked_shapes_name_what_the_next_run_takes_warm(tiny_model_dir: Path) -> None:
+    """What a worker announces (WarmState.adapter_shapes) is what `add_lora` would re-initialise
+    or put back: the UNet's parked shapes, attached or kept aside, each with text-encoder
+    training too where both encoders hold that shape."""
+    config = make_config(tiny_model_dir, tiny_spec())
+    components = load_components(config, resolve_runtime(config))
+    assert parked_shapes(components) == []
+    with torch.random.fork_rng(devices=[]):
+        add_lora(components, rank=4, alpha=4.0, train_text_encoder=True)
+    park_lora(components)
+    assert parked_shapes(components) == [(4, 4.0, False, False, 0.0), (4, 4.0, True, False, 0.0)]
+    with torch.random.fork_rng(devices=[]):
+        add_lora(components, rank=2, alpha=2.0, train_text_encoder=False, dropout=0.1)
+    park_lora(components)
+    assert parked_shapes(components) == [
+        (2, 2.0, False, False, 0.1),
+        (4, 4.0, False, False, 0.0),
+        (4, 4.0, True, False, 0.0),
+    ]

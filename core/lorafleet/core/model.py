@@ -204,11 +204,12 @@ class Qualification:
 @dataclass(frozen=True, kw_only=True)
 class WarmState:
     """What a worker holds from earlier leases, as it says (unverified): the resident base
-    model (`JobSpec.resident_key`; "" for none) and the compiled step shapes
-    (`JobSpec.compiled_shape_key`)."""
+    model (`JobSpec.resident_key`; "" for none), the compiled step shapes
+    (`JobSpec.compiled_shape_key`) and the parked adapter shapes (`JobSpec.adapter_shape_key`)."""
 
     resident: str = ""
     compiled_shapes: tuple[str, ...] = ()
+    adapter_shapes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -495,10 +495,13 @@ def _warm_key(value: str, field: str) -> str:
     return value
 
 
+def _warm_keys(values: Sequence[str], field: str) -> tuple[str, ...]:
+    if len(values) > MAX_WARM_SHAPES:
+        raise InvalidArgument(field, f"at most {MAX_WARM_SHAPES} shapes")
+    return tuple(dict.fromkeys(_warm_key(v, f"{field}[{i}]") for i, v in enumerate(values)))
+
+
 def ready_from_proto(msg: fpb.Ready) -> ReadyReport:
-    shapes = msg.warm.compiled_shapes
-    if len(shapes) > MAX_WARM_SHAPES:
-        raise InvalidArgument("ready.warm.compiled_shapes", f"at most {MAX_WARM_SHAPES} shapes")
     cost = msg.checkpoint_cost_s
     if not math.isfinite(cost) or not 0 <= cost <= MAX_CHECKPOINT_COST_S:
         raise InvalidArgument(
@@ -507,11 +510,8 @@ def ready_from_proto(msg: fpb.Ready) -> ReadyReport:
     return ReadyReport(
         warm=WarmState(
             resident=_warm_key(msg.warm.resident, "ready.warm.resident"),
-            compiled_shapes=tuple(
-                dict.fromkeys(
-                    _warm_key(s, f"ready.warm.compiled_shapes[{i}]") for i, s in enumerate(shapes)
-                )
-            ),
+            compiled_shapes=_warm_keys(msg.warm.compiled_shapes, "ready.warm.compiled_shapes"),
+            adapter_shapes=_warm_keys(msg.warm.adapter_shapes, "ready.warm.adapter_shapes"),
         ),
         checkpoint_cost_s=cost or None,
     )

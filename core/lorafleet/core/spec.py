@@ -572,6 +572,20 @@ class JobSpec:
         )
         return f"{self.resident_key}|" + "x".join(str(v) for v in shape)
 
+    @property
+    def adapter_shape_key(self) -> str:
+        """The adapters a lease of this spec attaches: a worker whose resident model holds
+        parked adapters of this shape re-initialises them in place instead of injecting new
+        ones (WarmState.adapter_shapes)."""
+        return adapter_shape_key(
+            self.resident_key,
+            rank=self.lora_rank,
+            alpha=self.lora_alpha,
+            train_text_encoder=self.train_text_encoder,
+            use_dora=self.use_dora,
+            dropout=self.lora_dropout,
+        )
+
     def fingerprint_values(self, first_revision: int = 1) -> dict[str, Any]:
         """The values a checkpoint's resume fingerprint covers: the fields that train, those
         added after `first_revision` (the revision the fingerprint's format began with) only
@@ -740,3 +754,18 @@ def check_sample_settings(
         ("num_validation_images", num_images, f"{prefix}num_images"),
     ):
         SPEC_FIELD[spec_name].check(value, name=name)
+
+
+def adapter_shape_key(
+    resident_key: str,
+    *,
+    rank: int,
+    alpha: float,
+    train_text_encoder: bool,
+    use_dora: bool,
+    dropout: float,
+) -> str:
+    """One adapter shape as a key: the job's (`JobSpec.adapter_shape_key`) and, by the same
+    rule, what a worker's resident model holds parked (worker/training/lora.py)."""
+    shape = (rank, float(alpha), int(train_text_encoder), int(use_dora), float(dropout))
+    return f"{resident_key}|lora:" + "x".join(repr(v) for v in shape)

@@ -362,21 +362,29 @@ class WarmState(_message.Message):
 
     RESIDENT_FIELD_NUMBER: _builtins.int
     COMPILED_SHAPES_FIELD_NUMBER: _builtins.int
+    ADAPTER_SHAPES_FIELD_NUMBER: _builtins.int
     resident: _builtins.str
     """The resident base model (JobSpec.resident_key: base model, VAE, precision); empty: none."""
     @_builtins.property
     def compiled_shapes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The training-step shapes compiled on this node (JobSpec.compiled_shape_key)."""
 
+    @_builtins.property
+    def adapter_shapes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The adapter shapes its resident model holds parked (JobSpec.adapter_shape_key): a lease of
+        one of them re-initialises those adapters in place instead of injecting new ones.
+        """
+
     def __init__(
         self,
         *,
         resident: _builtins.str = ...,
         compiled_shapes: _abc.Iterable[_builtins.str] | None = ...,
+        adapter_shapes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compiled_shapes", b"compiled_shapes", "resident", b"resident"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_shapes", b"adapter_shapes", "compiled_shapes", b"compiled_shapes", "resident", b"resident"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -600,6 +600,7 @@ class Ledger:
                 api_key_id,
                 [j.spec.resident_key for j in jobs],
                 [j.spec.compiled_shape_key for j in jobs],
+                [j.spec.adapter_shape_key for j in jobs],
             )
             by_id = {str(r["job_id"]): job_from_row(r) for r in rows}
             by_key: dict[str, Job] = {}
@@ -613,7 +614,7 @@ class Ledger:
 
     async def fill_warm_keys(self, batch: int = 1000) -> int:
         """Computes the warm keys of unfinished jobs submitted before the ledger had them
-        (0016), from the one definition (JobSpec); returns how many it filled."""
+        (0016, 0019), from the one definition (JobSpec); returns how many it filled."""
         filled = 0
         while rows := await self._fetch("jobs_without_warm_keys", batch):
             specs = [(r["job_id"], JobSpec.from_dict(r["spec"])) for r in rows]
@@ -622,6 +623,7 @@ class Ledger:
                 [job_id for job_id, _ in specs],
                 [spec.resident_key for _, spec in specs],
                 [spec.compiled_shape_key for _, spec in specs],
+                [spec.adapter_shape_key for _, spec in specs],
             )
             filled += len(rows)
         return filled
@@ -693,6 +695,7 @@ class Ledger:
             warm.resident,
             list(warm.compiled_shapes),
             warm_bound_s,
+            list(warm.adapter_shapes),
         )
         return None if row is None else job_from_row(row)
 

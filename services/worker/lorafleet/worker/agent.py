@@ -750,7 +750,9 @@ class Agent(AsyncLifecycle):
         if not self.config.keep_base_model:
             return fpb.WarmState()
         return fpb.WarmState(
-            resident=self.resident.key or "", compiled_shapes=self.resident.compiled_shapes
+            resident=self.resident.key or "",
+            compiled_shapes=self.resident.compiled_shapes,
+            adapter_shapes=self.resident.adapter_shapes,
         )
 
     def _enter_idle(self) -> None:

@@ -87,22 +87,25 @@ UPDATE api_keys SET revoked_at = now() WHERE key_id = $1 AND revoked_at IS NULL 
 SELECT key_id, owner, created_at, revoked_at, webhook_url FROM api_keys ORDER BY created_at, key_id;
 
 -- name: insert_jobs
--- $1 owner; then one array per column, one element per job; $11 the submitting API key; $12
--- and $13 the spec's warm keys (JobSpec.resident_key, compiled_shape_key). Rows whose
+-- $1 owner; then one array per column, one element per job; $11 the submitting API key; $12,
+-- $13 and $14 the spec's warm keys (JobSpec.resident_key, compiled_shape_key,
+-- adapter_shape_key). Rows whose
 -- idempotency key the owner already used are skipped here and read back by
 -- get_jobs_by_idempotency_key.
 WITH input AS (
     SELECT * FROM unnest($2::uuid[], $3::text[], $4::jsonb[], $5::int[], $6::int[], $7::int[],
-                         $8::int[], $9::jsonb[], $10::text[], $12::text[], $13::text[])
+                         $8::int[], $9::jsonb[], $10::text[], $12::text[], $13::text[],
+                         $14::text[])
         AS t (job_id, idempotency_key, spec, priority, min_vram_mb, max_failures,
-              max_train_steps, labels, traceparent, resident_key, compiled_shape_key)
+              max_train_steps, labels, traceparent, resident_key, compiled_shape_key,
+              adapter_shape_key)
 ), inserted AS (
     INSERT INTO jobs (job_id, owner, idempotency_key, spec, state, priority, min_vram_mb,
                       max_failures, max_train_steps, labels, traceparent, api_key_id,
-                      resident_key, compiled_shape_key)
+                      resident_key, compiled_shape_key, adapter_shape_key)
     SELECT job_id, $1, NULLIF(idempotency_key, ''), spec, 'QUEUED', priority, min_vram_mb,
            max_failures, max_train_steps, labels, NULLIF(traceparent, ''), $11,
-           resident_key, compiled_shape_key
+           resident_key, compiled_shape_key, adapter_shape_key
     FROM input
     ON CONFLICT (owner, idempotency_key) DO NOTHING
     RETURNING *
@@ -113,15 +116,18 @@ WITH input AS (
 SELECT * FROM inserted;
 
 -- name: jobs_without_warm_keys
--- Unfinished jobs submitted before 0016 (their warm keys are computed from the spec in Python).
+-- Unfinished jobs submitted before 0016 or 0019 (their warm keys are computed from the spec in
+-- Python).
 SELECT job_id, spec FROM jobs
-WHERE resident_key IS NULL AND state IN ('QUEUED', 'RUNNING')
+WHERE (resident_key IS NULL OR adapter_shape_key IS NULL) AND state IN ('QUEUED', 'RUNNING')
 LIMIT $1;
 
 -- name: set_warm_keys
-UPDATE jobs j SET resident_key = k.resident_key, compiled_shape_key = k.compiled_shape_key
-FROM unnest($1::uuid[], $2::text[], $3::text[]) AS k (job_id, resident_key, compiled_shape_key)
-WHERE j.job_id = k.job_id AND j.resident_key IS NULL;
+UPDATE jobs j SET resident_key = k.resident_key, compiled_shape_key = k.compiled_shape_key,
+                  adapter_shape_key = k.adapter_shape_key
+FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[])
+    AS k (job_id, resident_key, compiled_shape_key, adapter_shape_key)
+WHERE j.job_id = k.job_id AND (j.resident_key IS NULL OR j.adapter_shape_key IS NULL);
 
 -- name: get_jobs_by_idempotency_key
 SELECT * FROM jobs WHERE owner = $1 AND idempotency_key = ANY($2::text[]);
@@ -178,12 +184,13 @@ SELECT * FROM canceled;
 -- secret (only the grant carries the secret itself), $6 quarantine threshold (node faults),
 -- $7 quarantine window seconds, $8 empty leases (ended without a checkpoint) in that window
 -- after which the machine gets nothing either; $9 the base model the worker says it holds
--- ('' none), $10 the step shapes it says it compiled, $11 the warm-dispatch bound in seconds.
+-- ('' none), $10 the step shapes it says it compiled, $11 the warm-dispatch bound in seconds,
+-- $12 the adapter shapes it says it holds parked.
 --
 -- Warm preference, among the first 64 claimable jobs in strict queue order (an index walk
 -- however long the queue) and within that order's classes (re-queued jobs first, then
--- priority): a job whose compiled shape the worker holds, else whose base model it holds, else
--- the oldest. Fairness bound: a job queued for $11 s or longer (jobs.queued_at: since submit, or
+-- priority): a job whose compiled shape the worker holds, else whose adapter shape it holds
+-- parked, else whose base model it holds, else the oldest. Fairness bound: a job queued for $11 s or longer (jobs.queued_at: since submit, or
 -- since it was last re-queued) is overdue and goes before every job of its class that is not,
 -- oldest first, whatever the worker holds: it waits at most $11 s longer than strict order would
 -- have made it wait. What a worker says it holds is unverified; it decides only which of the
@@ -217,8 +224,9 @@ WITH head AS (
     ORDER BY (j.epoch > 0) DESC, j.priority DESC,
              CASE WHEN j.queued_at <= now() - make_interval(secs => $11::float8) THEN 0
                   WHEN j.compiled_shape_key = ANY ($10::text[]) THEN 1
-                  WHEN j.resident_key = $9 THEN 2
-                  ELSE 3 END,
+                  WHEN j.adapter_shape_key = ANY ($12::text[]) THEN 2
+                  WHEN j.resident_key = $9 THEN 3
+                  ELSE 4 END,
              j.created_at, j.job_id
     LIMIT 1
     FOR UPDATE OF j SKIP LOCKED

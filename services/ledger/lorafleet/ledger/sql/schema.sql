@@ -97,6 +97,9 @@ CREATE TABLE jobs (
     -- When the job last entered the queue (0018): its submit, or its last re-queue
     -- (jobs_mark_queued); the warm-dispatch fairness bound counts from here.
     queued_at           timestamptz NOT NULL DEFAULT now(),
+    -- Copied out of the spec for the claim's warm preference (0019): JobSpec.adapter_shape_key;
+    -- NULL (jobs from before, until the scheduler fills them) matches none.
+    adapter_shape_key   text,
     UNIQUE (owner, idempotency_key),
     -- At most one live lease per job, and only a RUNNING job has one.
     CHECK ((state = 'RUNNING') = (lease_id IS NOT NULL)),

@@ -136,6 +136,32 @@ def park_lora(components: Components) -> None:
             )
 
 
+def parked_shapes(components: Components) -> list[tuple[int, float, bool, bool, float]]:
+    """What the next run can take warm (`add_lora` re-initialises or puts back instead of
+    injecting): each adapter shape the UNet holds parked, attached or kept aside, as (rank,
+    alpha, train_text_encoder, use_dora, dropout); with text-encoder training too where both
+    encoders hold that shape. Call it after `park_lora`, on the thread that runs training."""
+
+    def held(module: Any) -> list[tuple[Any, ...]]:
+        shapes = []
+        current = getattr(module, _SHAPE_ATTRIBUTE, None)
+        if current is not None and _parked(module):
+            shapes.append(current)
+        shelved: _Shelved | None = getattr(module, _SHELF_ATTRIBUTE, None)
+        if shelved is not None:
+            shapes.append(shelved.shape)
+        return shapes
+
+    encoders = [held(components.text_encoder), held(components.text_encoder_2)]
+    warm: list[tuple[int, float, bool, bool, float]] = []
+    for rank, alpha, _, use_dora, dropout in held(components.unet):
+        warm.append((rank, alpha, False, use_dora, dropout))
+        encoder_shape = (rank, alpha, TEXT_ENCODER_TARGET_MODULES, use_dora, dropout)
+        if all(encoder_shape in shapes for shapes in encoders):
+            warm.append((rank, alpha, True, use_dora, dropout))
+    return warm
+
+
 def set_input_casting(modules: Iterable[Any], *, enabled: bool) -> None:
     """Whether the LoRA layers of `modules` cast their input to the adapter weights' dtype
     (peft's default, needed without autocast when the frozen weights are in another dtype)."""

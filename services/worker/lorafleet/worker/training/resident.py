@@ -35,9 +35,10 @@ from typing import Any
 import diffusers as _diffusers
 import torch
 
+from lorafleet.core.spec import adapter_shape_key
 from lorafleet.worker.training.base_model import Components, load_components
 from lorafleet.worker.training.config import Runtime, TrainingConfig
-from lorafleet.worker.training.lora import park_lora
+from lorafleet.worker.training.lora import park_lora, parked_shapes
 
 diffusers: Any = _diffusers
 
@@ -59,6 +60,7 @@ class ResidentModel:
         self._held: _Held | None = None
         # Base-model loads so far (tests and metrics: a warm run adds none).
         self.loads = 0
+        self._adapter_shapes: tuple[str, ...] = ()
 
     @property
     def key(self) -> str | None:
@@ -70,6 +72,12 @@ class ResidentModel:
     def compiled_shapes(self) -> tuple[str, ...]:
         held = self._held
         return tuple(sorted(held.compiled)) if held is not None else ()
+
+    @property
+    def adapter_shapes(self) -> tuple[str, ...]:
+        """The `JobSpec.adapter_shape_key`s the parked adapters serve, as of the last run's end
+        (what the worker announces in Ready)."""
+        return self._adapter_shapes
 
     def components_for(self, config: TrainingConfig, runtime: Runtime) -> Components:
         """The frozen components for `config`'s base model and precision, loaded now unless
@@ -120,6 +128,13 @@ class ResidentModel:
             park_lora(components)
             for module in (components.unet, components.vae, *components.text_encoders):
                 module.eval()
+            key = self._held.key
+            self._adapter_shapes = tuple(
+                adapter_shape_key(
+                    key, rank=rank, alpha=alpha, train_text_encoder=te, use_dora=dora, dropout=p
+                )
+                for rank, alpha, te, dora, p in parked_shapes(components)
+            )
         except Exception:
             self.release()
             raise
@@ -129,6 +144,7 @@ class ResidentModel:
         if self._held is None:
             return
         self._held = None
+        self._adapter_shapes = ()
         gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             torch.cuda.empty_cache()
