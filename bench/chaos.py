@@ -290,7 +290,10 @@ class FaultPlan:
         # finished first. (Counted in time at the simulated step rate from when the lease was
         # first seen running, not from heartbeats: a heartbeat every second is hundreds of
         # simulated steps.)
-        low, high = settings.interval // 2 + 20, 2 * settings.interval
+        # With --interval auto, the plan of the default fixed 100: the same faults, so the two
+        # runs compare.
+        planned = settings.interval or 100
+        low, high = planned // 2 + 20, 2 * planned
         for job_id in shuffled[:thrice]:
             self.interruptions[job_id] = [rng.randint(low, high) for _ in range(3)]
         for job_id in shuffled[thrice : thrice + once]:

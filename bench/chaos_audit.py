@@ -149,15 +149,23 @@ async def audit_and_report(
     pace = [float(r["progress_s_per_step"]) for r in jobs.values() if r["progress_s_per_step"]]
     s_per_step = statistics.median(pace) if pace else float(settings["step_s"])
     ttl_steps = math.ceil(float(settings["lease_ttl_s"]) / max(s_per_step, 1e-6))
+    # With auto, each lease's own interval, as the scheduler chose it at the grant and put it on
+    # the job's timeline ("checkpointing every N steps (auto, ...)").
+    chosen_by_lease = {
+        (e["job_id"], int(e["epoch"])): int(e["message"].split()[2])
+        for e in events
+        if e["kind"] == "NOTICE" and (e["message"] or "").startswith("checkpointing every ")
+    }
     lost: list[int] = []
-    # Per interruption: the interval of the lease that was interrupted (with auto, each lease's
-    # own, as the scheduler chose and recorded it at the grant).
+    # Per interruption: the interval of the lease that was interrupted.
     lost_intervals: list[int] = []
     end_reasons: Counter[str] = Counter()
     for job_id, job_leases in by_job.items():
         for earlier, later in itertools.pairwise(job_leases):
             end_reasons[str(earlier["end_reason"])] += 1
-            lease_interval = int(earlier["lease_checkpoint_steps"] or interval or settings["steps"])
+            lease_interval = chosen_by_lease.get(
+                (job_id, int(earlier["epoch"])), interval or int(settings["steps"])
+            )
             bound = lease_interval + ttl_steps
             # The furthest the earlier lease got as the ledger saw it (heartbeats, commits).
             seen = reached.get((job_id, int(earlier["epoch"])), 0)
@@ -171,7 +179,7 @@ async def audit_and_report(
                     f"job {job_id}: {seen - resumed} steps lost before epoch {later['epoch']}"
                     f" (bound {bound}: its lease's interval plus one lease TTL of steps)"
                 )
-    chosen = [int(r["lease_checkpoint_steps"]) for r in leases if r["lease_checkpoint_steps"]]
+    chosen = list(chosen_by_lease.values())
     committed_count = sum(1 for e in events if e["kind"] == "CHECKPOINT_COMMITTED")
 
     # Results against the fault-free runs.

@@ -255,7 +255,19 @@ async def test_a_cancel_that_waited_for_a_claim_ends_the_lease_it_granted(
         claim = claimer.transaction()
         await claim.start()
         granted = await claimer.fetchrow(
-            QUERIES["claim_job"], "m1", 0, uuid.uuid4(), TTL_S, SECRET, 3, 3600.0, 10, "", [], 0.0
+            QUERIES["claim_job"],
+            "m1",
+            0,
+            uuid.uuid4(),
+            TTL_S,
+            SECRET,
+            3,
+            3600.0,
+            10,
+            "",
+            [],
+            0.0,
+            [],
         )
         assert granted is not None
         cancel = asyncio.create_task(ledger.cancel_job(job.job_id, "alice"))
