@@ -8,9 +8,9 @@ Audits (each failure is a sentence in the returned list):
 * every epoch used once: checkpoint keys carry their own epoch (`<step>-e<epoch>`), every
   committed checkpoint was announced under the lease of that epoch, and the result key is the
   final epoch's;
-* steps lost per interruption (the furthest step the ledger saw a lease reach, by heartbeat or
-  commit, minus the checkpoint the next lease resumed from) at most one checkpoint interval
-  plus the steps the job ran in one lease TTL;
+* steps lost per interruption (the furthest step the ledger saw a lease reach, by its last
+  heartbeat or a commit, minus the checkpoint the next lease resumed from) at most the lease's
+  checkpoint interval plus the steps the job ran in one lease TTL;
 * every result's sha256 equals the fault-free in-process run's;
 * nothing left in storage beyond retention: no checkpoint object of a finished job, no object
   outside the uploads and the results;
@@ -167,8 +167,9 @@ async def audit_and_report(
                 (job_id, int(earlier["epoch"])), interval or int(settings["steps"])
             )
             bound = lease_interval + ttl_steps
-            # The furthest the earlier lease got as the ledger saw it (heartbeats, commits).
-            seen = reached.get((job_id, int(earlier["epoch"])), 0)
+            # The furthest the earlier lease got as the ledger saw it: its commits, and its
+            # last heartbeat (the lease row keeps it; the timeline keeps only some heartbeats).
+            seen = max(reached.get((job_id, int(earlier["epoch"])), 0), earlier["last_step"] or 0)
             resumed = max(
                 (step for at, step in committed[job_id] if at <= later["granted_at"]), default=0
             )
@@ -180,6 +181,15 @@ async def audit_and_report(
                     f" (bound {bound}: its lease's interval plus one lease TTL of steps)"
                 )
     chosen = list(chosen_by_lease.values())
+    # The checkpoint cost each auto lease's worker reported (stall plus upload), from the same
+    # notices: what one checkpoint costs on this fleet, whatever the interval.
+    reported_costs = [
+        float(e["message"].split("checkpoint cost ")[1].split()[0])
+        for e in events
+        if e["kind"] == "NOTICE"
+        and "(reported by the worker)" in (e["message"] or "")
+        and "checkpoint cost " in (e["message"] or "")
+    ]
     committed_count = sum(1 for e in events if e["kind"] == "CHECKPOINT_COMMITTED")
 
     # Results against the fault-free runs.
@@ -281,6 +291,7 @@ async def audit_and_report(
         "intervals_chosen (auto, per lease)": _stats([float(x) for x in chosen]),
         "checkpoints_committed": committed_count,
         "checkpoints_per_job": round(committed_count / n, 2),
+        "checkpoint_cost_reported_s (auto leases)": _stats(reported_costs),
         "steps_lost_total": sum(lost),
         "steps_lost_per_interruption": {
             "count": len(lost),
