@@ -13,6 +13,7 @@ bans are untouched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -73,11 +74,15 @@ async def test_a_lease_without_verified_progress_is_revoked_as_a_node_fault(
                     await honest.store_checkpoint(mine.lease, step)
                     await asyncio.sleep(0.5)
 
+            stop_stalling = asyncio.Event()
+
             async def stall() -> None:
-                # Heartbeats are no progress.
-                while True:
+                # Heartbeats are no progress. Stopped between writes, never cancelled: a
+                # cancel landing inside a stream write cancels the whole call.
+                while not stop_stalling.is_set():
                     await staller.heartbeat(taken.lease, 0)
-                    await asyncio.sleep(0.3)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop_stalling.wait(), 0.3)
 
             staller_task = asyncio.create_task(stall())
             try:
@@ -86,7 +91,8 @@ async def test_a_lease_without_verified_progress_is_revoked_as_a_node_fault(
                     revoked = await staller.expect("lease_revoked")
                     assert revoked.lease.lease_id == taken.lease.lease_id
             finally:
-                staller_task.cancel()
+                stop_stalling.set()
+                await staller_task
             await trainer
 
             lease = await _row(

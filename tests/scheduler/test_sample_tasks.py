@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -42,7 +43,13 @@ def png(task: fpb.SampleTaskGranted, upload: fpb.SampleUpload) -> bytes:
     return f"png {task.task_id} {upload.prompt_index} {upload.image_index}".encode()
 
 
-async def store_samples(worker: ScriptedWorker, task: fpb.SampleTaskGranted) -> None:
+async def store_samples(
+    worker: ScriptedWorker,
+    task: fpb.SampleTaskGranted,
+    before_announcing: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """PUTs the task's images, then announces them (SamplesStored), which ends the task's
+    lease; `before_announcing` runs in between, while its URLs still work."""
     images = []
     for upload in task.uploads:
         data = png(task, upload)
@@ -56,6 +63,8 @@ async def store_samples(worker: ScriptedWorker, task: fpb.SampleTaskGranted) -> 
                 sha256=hashlib.sha256(data).hexdigest(),
             )
         )
+    if before_announcing is not None:
+        await before_announcing()
     await worker.send(samples_stored=fpb.SamplesStored(lease=worker.ref(task.lease), images=images))
 
 
@@ -103,9 +112,13 @@ async def test_checkpoint_and_result_queue_sample_tasks_made_by_an_idle_worker(
         await sampler.send(ready=fpb.Ready())
         second = await sampler.expect("sample_task_granted")
         assert second.step == 20
-        await store_samples(sampler, second)
-        # Stored images are write-once.
-        assert await _put_status(second.uploads[0].url, b"again") == 412
+
+        async def put_again() -> None:
+            # Stored images are write-once. (Checked while the task's lease is live: once the
+            # images are announced it ends, and its URLs are refused outright, 403.)
+            assert await _put_status(second.uploads[0].url, b"again") == 412
+
+        await store_samples(sampler, second, before_announcing=put_again)
         await trainer.store_result(granted, 25)
         await sampler.send(ready=fpb.Ready())
         final = await sampler.expect("sample_task_granted")
