@@ -146,7 +146,6 @@ def test_a_snapshot_survives_the_training_stream_overwriting_its_source(reused: 
     device = torch.device("cuda")
     live = _live_tensors(device)
     snapshotter = DeviceSnapshotter(live)
-    assert snapshotter.holds(live)
     stream = copy_stream(device)
     expected: list[dict[str, torch.Tensor]] = []
     snapshots: list[HostTensors] = []
@@ -163,5 +162,3 @@ def test_a_snapshot_survives_the_training_stream_overwriting_its_source(reused: 
         assert set(taken) == set(values)
         for key, value in values.items():
             assert torch.equal(taken[key], value), key
-    # Replacing a tensor object (as restoring the optimizer does) needs a new snapshotter.
-    assert not snapshotter.holds({**live, "half": live["half"].clone()})

@@ -202,7 +202,7 @@ def to_host(tensors: Mapping[str, torch.Tensor]) -> HostTensors:
 
 class DeviceSnapshotter:
     """Host copies of one fixed set of device tensors (a run's LoRA weights and optimizer
-    state), taken again and again with the Python work per tensor done once.
+    state, updated in place), taken again and again with the Python work per tensor done once.
 
     Built from the tensors of a run's first checkpoint: per device and dtype a staging buffer
     on the device and a view of it for each tensor. A snapshot is one `torch._foreach_copy_`
@@ -216,9 +216,6 @@ class DeviceSnapshotter:
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._keys = list(tensors)
-        # The live objects, compared by identity: the same objects hold the same storage.
-        self._live = list(tensors.values())
         self._groups: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], Layout]]
         self._groups = []
         for device, items in _groups(tensors):
@@ -231,14 +228,6 @@ class DeviceSnapshotter:
             self._groups.append((staging, views, [v for _, v in items], layout))
         # Per staging buffer, the event after the newest copy out of it.
         self._copied: list[Any] = [None] * len(self._groups)
-
-    def holds(self, tensors: Mapping[str, torch.Tensor]) -> bool:
-        """Whether `tensors` are exactly the tensor objects this was built from, in order."""
-        return (
-            len(tensors) == len(self._live)
-            and all(a is b for a, b in zip(tensors.values(), self._live, strict=True))
-            and list(tensors) == self._keys
-        )
 
     def packs(self) -> tuple[list[tuple[torch.Tensor, Layout]], list[Any]]:
         """Queues the copies; returns the host buffers with their layouts, and the events
