@@ -34,7 +34,7 @@ from safetensors import SafetensorError
 
 from lorafleet.core.model import CHECKPOINT_DIGEST_BYTES, CHECKPOINT_MAGIC
 from lorafleet.worker.training.failures import CorruptCheckpoint
-from lorafleet.worker.training.serialization import safetensors_metadata, safetensors_parts
+from lorafleet.worker.training.serialization import safetensors_header, safetensors_metadata
 
 MAGIC = CHECKPOINT_MAGIC
 _DIGEST_BYTES = CHECKPOINT_DIGEST_BYTES
@@ -279,11 +279,8 @@ def serialize_checkpoint(snapshot: TrainingSnapshot) -> bytes:
             size = shape.numel() * width
             entries.append((-width, key, buffer.dtype, shape, pack, offset * width, size))
     entries.sort(key=lambda entry: (entry[0], entry[1]))
-    header, *_ = safetensors_parts(
-        [
-            (key, dtype, shape, raws[pack][start : start + size])
-            for _, key, dtype, shape, pack, start, size in entries
-        ],
+    header = safetensors_header(
+        [(key, dtype, shape, size) for _, key, dtype, shape, _, _, size in entries],
         {_STATE_KEY: json.dumps(state, separators=(",", ":"), sort_keys=True)},
     )
     # Tensors that lie next to each other in a pack are written as one slice: with packs in

@@ -71,27 +71,25 @@ _DTYPE_NAMES = {
 }
 
 
-def safetensors_parts(
-    tensors: Iterable[tuple[str, torch.dtype, Sequence[int], memoryview]],
+def safetensors_header(
+    tensors: Iterable[tuple[str, torch.dtype, Sequence[int], int]],
     metadata: Mapping[str, str],
-) -> list[bytes | memoryview]:
-    """A safetensors file as its parts, for a writer that already holds the tensors' raw bytes
-    (slices of a few large buffers): the framed header, then each tensor's bytes, in the order
-    given (which the caller makes canonical and aligned). Joined, they are the file."""
+) -> bytes:
+    """The framed header of a safetensors file whose tensors (key, dtype, shape, size in bytes)
+    follow it in the order given (which the caller makes canonical and aligned), for a writer
+    that already holds their bytes: the header, then those bytes, are the file."""
     header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
-    data: list[bytes | memoryview] = []
     start = 0
-    for key, dtype, shape, raw in tensors:
+    for key, dtype, shape, size in tensors:
         if dtype not in _DTYPE_NAMES:
             raise TypeError(f"safetensors cannot hold {dtype} tensors")
         header[key] = {
             "dtype": _DTYPE_NAMES[dtype],
             "shape": list(shape),
-            "data_offsets": [start, start + len(raw)],
+            "data_offsets": [start, start + size],
         }
-        start += len(raw)
-        data.append(raw)
-    return [_framed(header), *data]
+        start += size
+    return _framed(header)
 
 
 def safetensors_metadata(buffer: bytes | memoryview) -> dict[str, str]:
