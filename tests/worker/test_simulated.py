@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -156,6 +157,31 @@ def test_step_time_is_paced() -> None:
     # Paced against a deadline: the 50 steps took at least 50 x 2 ms in all.
     assert sum(times) >= 0.1
     # The pace does not change the numbers.
+    assert result_sha256(outcome) == result_sha256(
+        run_simulated(job, IMAGES, checkpoint_bytes=SIZE)
+    )
+
+
+def test_a_checkpoint_stall_costs_training_time_and_is_timed() -> None:
+    """The stall is outside the pacing (the steps after it are not hurried), the worker reads
+    it off `timings` as the real trainer's, and it changes no number."""
+    job = spec(max_train_steps=50, checkpointing_steps=10)
+    trainer = simulated_trainer_factory(
+        step_s=0.002, checkpoint_bytes=SIZE, checkpoint_stall_s=0.03
+    )(TrainingConfig(spec=job))
+    taken: list[int] = []
+    started = time.monotonic()
+    outcome = trainer.run(
+        instance_images=IMAGES,
+        hooks=TrainingHooks(on_checkpoint=lambda snapshot: taken.append(snapshot.step)),
+    )
+    elapsed = time.monotonic() - started
+    assert isinstance(outcome, Finished)
+    assert taken == [10, 20, 30, 40]
+    assert len(trainer.timings.snapshot_seconds) == 4
+    assert min(trainer.timings.snapshot_seconds) >= 0.03
+    # 50 paced steps plus four stalls; absorbed by the pacing it would be about 0.1 s.
+    assert elapsed >= 50 * 0.002 + 4 * 0.03
     assert result_sha256(outcome) == result_sha256(
         run_simulated(job, IMAGES, checkpoint_bytes=SIZE)
     )

@@ -166,6 +166,13 @@ class WorkerConfig(ServiceSettings):
     simulate_checkpoint_bytes: int = Field(
         256 * 1024, ge=1024, description="simulated trainer: size of a checkpoint, bytes"
     )
+    simulate_checkpoint_stall_s: float = Field(
+        0.0,
+        ge=0,
+        le=600,
+        description="simulated trainer: seconds each checkpoint holds training (a slow node's"
+        " snapshot), counted in the checkpoint cost the worker reports",
+    )
     simulate_node_fault: bool = Field(
         False, description="simulated trainer: fail every job as a node fault (a bad node)"
     )

@@ -79,6 +79,7 @@ def simulated_factory(
     return simulated_trainer_factory(
         step_s=config.simulate_step_s,
         checkpoint_bytes=config.simulate_checkpoint_bytes,
+        checkpoint_stall_s=config.simulate_checkpoint_stall_s,
         node_fault=config.simulate_node_fault,
     )
 

@@ -23,6 +23,12 @@ checkpoint's fingerprint (weight-relevant spec fields and instance images) and r
 `CorruptCheckpoint` for another job's. The step time is paced against a deadline
 (`step_s` per step), so a slow machine does not drift.
 
+`checkpoint_stall_s` holds the training thread that long at each checkpoint before the snapshot
+goes to the worker (a slow node's device-to-host copy), outside the step pacing, so a checkpoint
+costs training time as on a real node; the stalls are in `timings.snapshot_seconds`, which the
+worker reads as the real trainer's and adds to the checkpoint cost it reports in Ready (what
+`checkpointing_steps: auto` weighs).
+
 `node_fault=True` makes every run fail at once with a NODE-class `TrainingFailure`: a bad node
 for chaos runs (the ban and the scaler's reallocation must deal with it).
 
@@ -38,7 +44,7 @@ import random
 import struct
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -120,6 +126,14 @@ class _State:
     numpy_rng: np.random.RandomState
 
 
+@dataclass
+class SimulatedTimings:
+    """What the worker reads off a trainer's `timings` (the real one's `RunTimings`)."""
+
+    # Seconds the training thread spent on each checkpoint's snapshot, stall included.
+    snapshot_seconds: list[float] = field(default_factory=list)
+
+
 class SimulatedTrainer:
     """The `Trainer` protocol with a cheap deterministic step. Single-use, like `Trainer`."""
 
@@ -129,15 +143,18 @@ class SimulatedTrainer:
         *,
         step_s: float = 0.002,
         checkpoint_bytes: int = 256 * 1024,
+        checkpoint_stall_s: float = 0.0,
         node_fault: bool = False,
     ) -> None:
-        if step_s < 0:
-            raise ValueError("step_s must not be negative")
+        if step_s < 0 or checkpoint_stall_s < 0:
+            raise ValueError("step_s and checkpoint_stall_s must not be negative")
         self.config = config
         self.spec = config.spec
         self.step_s = step_s
         self.checkpoint_bytes = checkpoint_bytes
+        self.checkpoint_stall_s = checkpoint_stall_s
         self.node_fault = node_fault
+        self.timings = SimulatedTimings()
         self._ran = False
         self._fingerprint = ""
 
@@ -237,7 +254,15 @@ class SimulatedTrainer:
                 last_report, reported_step = now, state.step
             due = not final and state.step % spec.checkpointing_steps == 0
             if hooks.on_checkpoint is not None and due:
-                hooks.on_checkpoint(self._snapshot(state))
+                stall_started = time.monotonic()
+                if self.checkpoint_stall_s:
+                    time.sleep(self.checkpoint_stall_s)
+                snapshot = self._snapshot(state)
+                stalled = time.monotonic() - stall_started
+                self.timings.snapshot_seconds.append(stalled)
+                # Outside the pacing: the steps after it are not hurried to make up for it.
+                started += stalled
+                hooks.on_checkpoint(snapshot)
         kohya = None
         if spec.output_format in ("kohya", "both"):
             kohya = self._result(state, {"lorafleet.format": "kohya"})
@@ -306,13 +331,21 @@ class SimulatedTrainer:
 
 
 def simulated_trainer_factory(
-    *, step_s: float, checkpoint_bytes: int, node_fault: bool = False
+    *,
+    step_s: float,
+    checkpoint_bytes: int,
+    checkpoint_stall_s: float = 0.0,
+    node_fault: bool = False,
 ) -> Callable[[TrainingConfig], SimulatedTrainer]:
     """A `TrainerFactory` for `LeaseRunner` (and `Agent(trainer_factory=...)`)."""
 
     def factory(config: TrainingConfig) -> SimulatedTrainer:
         return SimulatedTrainer(
-            config, step_s=step_s, checkpoint_bytes=checkpoint_bytes, node_fault=node_fault
+            config,
+            step_s=step_s,
+            checkpoint_bytes=checkpoint_bytes,
+            checkpoint_stall_s=checkpoint_stall_s,
+            node_fault=node_fault,
         )
 
     return factory
