@@ -700,7 +700,9 @@ async def test_a_result_lost_with_the_stream_is_sent_again_after_reconnecting(
             # store directly, not through the proxy.
             upload = agent._transfer.upload
 
-            async def blackholed_after(url: str, data: bytes, *, md5: str | None = None) -> None:
+            async def blackholed_after(
+                url: str, data: bytes | memoryview, *, md5: str | None = None
+            ) -> None:
                 if "/result/" in url:
                     proxy.blackhole = True
                 await upload(url, data, md5=md5)

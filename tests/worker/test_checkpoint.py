@@ -24,7 +24,12 @@ from lorafleet.worker.training import (
     load_checkpoint,
     serialize_checkpoint,
 )
-from lorafleet.worker.training.checkpoint import MAGIC, join_tensors, split_tensors
+from lorafleet.worker.training.checkpoint import (
+    MAGIC,
+    checkpoint_parts,
+    join_tensors,
+    split_tensors,
+)
 from lorafleet.worker.training.serialization import safetensors_bytes, safetensors_metadata
 from tests.support.training import Recorder, TrainFn, instance_images, make_config, tiny_spec
 
@@ -71,7 +76,7 @@ def test_round_trip_is_exact(snapshot: TrainingSnapshot) -> None:
 
 
 def test_blob_layout_is_magic_digest_safetensors(snapshot: TrainingSnapshot) -> None:
-    blob = serialize_checkpoint(snapshot)
+    blob = bytes(serialize_checkpoint(snapshot))
     assert blob[:8] == MAGIC
     payload = blob[40:]
     assert blob[8:40] == hashlib.sha256(payload).digest()
@@ -79,6 +84,17 @@ def test_blob_layout_is_magic_digest_safetensors(snapshot: TrainingSnapshot) -> 
     assert safetensors.torch.load(payload).keys() == snapshot.tensors.keys()
     state = json.loads(safetensors_metadata(payload)["lorafleet.state"])
     assert state["step"] == 2
+
+
+def test_the_blob_is_a_read_only_view_that_loads(snapshot: TrainingSnapshot) -> None:
+    """Built without a bytes copy (which would hold the GIL), and immutable: the uploader
+    hashes it once and sends it as it was hashed."""
+    blob = serialize_checkpoint(snapshot)
+    assert blob.readonly and blob.ndim == 1 and blob.itemsize == 1
+    with pytest.raises(TypeError):
+        blob[0] = 0
+    assert blob == b"".join(checkpoint_parts(snapshot))
+    assert load_checkpoint(blob).step == snapshot.step
 
 
 @pytest.mark.parametrize(
@@ -98,7 +114,7 @@ def test_blob_layout_is_magic_digest_safetensors(snapshot: TrainingSnapshot) -> 
 )
 def test_corruption_is_detected(snapshot: TrainingSnapshot, mutate: object, reason: str) -> None:
     assert callable(mutate)
-    blob = mutate(serialize_checkpoint(snapshot))
+    blob = mutate(bytes(serialize_checkpoint(snapshot)))  # as downloaded
     with pytest.raises(CorruptCheckpoint, match=reason):
         load_checkpoint(blob)
 
@@ -117,7 +133,7 @@ class UploadingRecorder(Recorder):
         self.snapshots.append(snapshot)
 
         def work() -> None:
-            self.blobs[snapshot.step] = serialize_checkpoint(snapshot)
+            self.blobs[snapshot.step] = bytes(serialize_checkpoint(snapshot))
 
         thread = threading.Thread(target=work)
         thread.start()
@@ -190,7 +206,7 @@ def test_the_payload_is_safetensors_in_one_order_whatever_the_input_order() -> N
     backward = TrainingSnapshot(
         step=1, tensors=dict(reversed(list(_ODD_TENSORS.items()))), state={"a": 1}
     )
-    blob = serialize_checkpoint(forward)
+    blob = bytes(serialize_checkpoint(forward))
     assert serialize_checkpoint(backward) == blob
     payload = blob[len(MAGIC) + 32 :]
     loaded = safetensors.torch.load(payload)

@@ -151,8 +151,8 @@ def test_training_run_writes_nothing_to_local_disk(
         stopped, _ = train(spec, recorder=first)
         assert isinstance(stopped, Stopped)
         assert stopped.snapshot is not None
-        blobs = [serialize_checkpoint(s) for s in first.snapshots]
-        blobs.append(serialize_checkpoint(stopped.snapshot))
+        blobs = [bytes(serialize_checkpoint(s)) for s in first.snapshots]
+        blobs.append(bytes(serialize_checkpoint(stopped.snapshot)))
         classes = [TrainingImage(f"{i}.png", png) for i, png in first.class_images]
         finished, _ = train(spec, class_images=classes, resume=load_checkpoint(blobs[-1]))
         assert isinstance(finished, Finished)

@@ -39,7 +39,7 @@ def test_checkpoint_and_result_of_a_step_make_the_same_images(
     outcome, _ = train(spec)
     _, recorded = train(tiny_spec(max_train_steps=3, checkpointing_steps=2))
     assert isinstance(outcome, Finished) and [s.step for s in recorded.snapshots] == [2]
-    checkpoint = serialize_checkpoint(recorded.snapshots[0])
+    checkpoint = bytes(serialize_checkpoint(recorded.snapshots[0]))  # as downloaded
     pipelines = SamplePipelines()
     config = make_config(tiny_model_dir, spec)
     from_checkpoint = pipelines.make(

@@ -280,12 +280,12 @@ def slot_key(slot: fpb.UploadSlot) -> SlotKey:
 class _Blob:
     """Bytes to store, with the two digests their upload needs, computed once."""
 
-    data: bytes = field(repr=False)
+    data: bytes | memoryview = field(repr=False)  # a checkpoint: a read-only view
     sha256: str  # hex: announced to the scheduler, recorded by the ledger
     md5: str  # base64: the store checks the body against it (Content-MD5)
 
 
-def _blob(data: bytes) -> _Blob:
+def _blob(data: bytes | memoryview) -> _Blob:
     """Both digests in one call; it reads all of `data`, so run it off the event loop."""
     return _Blob(data=data, sha256=checkpoint_sha256(data), md5=content_md5(data))
 

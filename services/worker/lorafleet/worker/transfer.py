@@ -83,7 +83,7 @@ class _Retryable(Exception):
         self.retry_after_s = retry_after_s
 
 
-def content_md5(data: bytes) -> str:
+def content_md5(data: bytes | memoryview) -> str:
     """The `Content-MD5` header of `data` (base64 of its MD5). Blocks for a large body: call it
     off the event loop, in the same thread pass that computes the body's sha256 when there is
     one (see `upload`)."""
@@ -169,7 +169,7 @@ class TransferClient(AsyncLifecycle):
         # In the order given, which callers may rely on when they iterate.
         return {name: results[name] for name in names}
 
-    async def upload(self, url: str, data: bytes, *, md5: str | None = None) -> None:
+    async def upload(self, url: str, data: bytes | memoryview, *, md5: str | None = None) -> None:
         """PUT `data` to `url`, retried as the module docstring says.
 
         A `Content-MD5` header goes along so the store (S3 and the local backend both check it)
@@ -293,7 +293,7 @@ def _retry_after_s(response: aiohttp.ClientResponse) -> float | None:
         return None
 
 
-async def _blocks(data: bytes) -> AsyncIterator[memoryview]:
+async def _blocks(data: bytes | memoryview) -> AsyncIterator[memoryview]:
     """`data` in slices that share its memory: a checkpoint of hundreds of MB is sent without
     a copy, and the event loop gets a turn between blocks."""
     view = memoryview(data)

@@ -34,9 +34,17 @@ def _split(buffer: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
     return header, view[_LENGTH.size + size :]
 
 
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def _framed(header: Mapping[str, Any]) -> bytes:
-    """The length prefix and the JSON header, padded with spaces to an 8-byte boundary."""
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    """The length prefix and the JSON header, padded with spaces to an 8-byte boundary.
+
+    Encoded entry by entry, to the bytes one `json.dumps` of the whole header gives: each
+    encode is a short C call, so a thread beside it (training) gets the GIL between them; one
+    call for a full-size checkpoint's 6720 entries held it for ~20 ms."""
+    entries = ",".join(f"{_ENCODE(key)}:{_ENCODE(value)}" for key, value in header.items())
+    text = ("{" + entries + "}").encode("utf-8")
     text += b" " * (-len(text) % 8)
     return _LENGTH.pack(len(text)) + text
 
