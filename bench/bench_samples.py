@@ -26,21 +26,27 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import grpc
+from local_fleet import (  # type: ignore[import-not-found]
+    DEFAULT_DATABASE_URL,
+    PREFIX,
+    TOKEN,
+    owner_with_images,
+    scratch_database,
+    start_workers,
+    stop_workers,
+    worker_env,
+)
 
-from lorafleet.core.model import SampleSettings, upload_key
+from lorafleet.core.model import SampleSettings
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
-from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.config import SchedulerConfig
 from lorafleet.scheduler.server import Scheduler
 from lorafleet.worker.tiny_model import build_tiny_model
@@ -56,7 +62,6 @@ from lorafleet.worker.training import (
 )
 from lorafleet.worker.training.samples import SamplePipelines
 
-TOKEN = "bench-worker-token"
 PROMPTS = ("a photo of sks dog", "sks dog on a beach")
 
 
@@ -104,7 +109,7 @@ class InRunTrainer:
             if forward is not None:
                 forward(snapshot)
             if snapshot.step % self._every == 0:
-                self._sample(serialize_checkpoint(snapshot), True)  # blocks the training thread
+                self._sample(bytes(serialize_checkpoint(snapshot)), True)  # blocks training
 
         outcome = self._trainer.run(
             instance_images=instance_images,
@@ -133,32 +138,15 @@ sys.exit(worker_main.main([]))
 """
 
 
-def png(seed: int) -> bytes:
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    array = rng.integers(0, 255, size=(64, 64, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(array, "RGB").save(out, format="PNG")
-    return out.getvalue()
-
-
 async def run_way(
     way: str, workers: int, args: argparse.Namespace, model: Path, root: Path
 ) -> dict[str, Any]:
-    name = f"bench_samples_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(args.database_url)
-    await admin.execute(f'CREATE DATABASE "{name}"')
-    url = args.database_url.rsplit("/", 1)[0] + f"/{name}"
     processes: list[asyncio.subprocess.Process] = []
-    try:
+    async with scratch_database(args.database_url, "bench_samples") as url:
         config = SchedulerConfig(
             listen="127.0.0.1:0",
             database_url=url,
-            data_dir=root / name,
+            data_dir=root / f"scheduler-{way}-{workers}",
             worker_token=TOKEN,
             lease_ttl_s=30.0,
             heartbeat_interval_s=1.0,
@@ -166,90 +154,76 @@ async def run_way(
             dispatch_interval_s=1.0,
             checkpoint_retention=100,
         )
-        async with Scheduler(config) as scheduler:
-            for i in range(3):
-                await scheduler.storage.put_bytes(upload_key("bench", "dogs", f"{i}.png"), png(i))
-            key = (await create_api_key(scheduler.ledger, "bench")).key
-            metadata = (("authorization", f"Bearer {key}"),)
-            env = {
-                **os.environ,
-                "LORAFLEET_SCHEDULER": f"127.0.0.1:{scheduler.port}",
-                "LORAFLEET_WORKER_TOKEN": TOKEN,
-                "LORAFLEET_ALLOW_CPU": "1",
-                "LORAFLEET_MODEL_PATH": str(model),
-                "LORAFLEET_LOCAL_FILES_ONLY": "1",
-                "LORAFLEET_DEVICE": "cpu",
-                "LORAFLEET_MIN_FREE_DISK_MB": "0",
-                "LORAFLEET_MIN_FREE_MEMORY_MB": "0",
-                "OMP_NUM_THREADS": "1",
-                "BENCH_EVERY": str(args.every),
-                "BENCH_IMAGES": str(args.images),
-                "BENCH_INFERENCE_STEPS": str(args.inference_steps),
-            }
-            script = IN_RUN_WORKER.format(bench_dir=str(Path(__file__).parent))
-            for n in range(workers):
-                command = ["-c", script] if way == "in-run" else ["-m", "lorafleet.worker"]
-                processes.append(
-                    await asyncio.create_subprocess_exec(
-                        sys.executable,
-                        *command,
-                        env={**env, "SALAD_MACHINE_ID": f"bench-{n}"},
-                        stdout=asyncio.subprocess.DEVNULL,
-                        stderr=asyncio.subprocess.DEVNULL,
-                    )
+        try:
+            async with Scheduler(config) as scheduler:
+                metadata = await owner_with_images(scheduler)
+                env = worker_env(
+                    scheduler,
+                    model,
+                    BENCH_EVERY=str(args.every),
+                    BENCH_IMAGES=str(args.images),
+                    BENCH_INFERENCE_STEPS=str(args.inference_steps),
                 )
-            spec = pb.JobSpec(
-                instance_prompt="a photo of sks dog",
-                instance_data_prefix="dogs",
-                max_train_steps=args.steps,
-                checkpointing_steps=args.every,
-                resolution=64,
-                seed=7,
-                learning_rate=1e-2,
-            )
-            if way != "in-run":
-                spec.validation_prompt = PROMPTS[0]
-                spec.validation_prompts.extend(PROMPTS[1:])
-                spec.validation_negative_prompt = "blurry"
-                spec.validation_steps = args.every
-                spec.validation_inference_steps = args.inference_steps
-                spec.num_validation_images = args.images
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}") as channel:
-                stub = pbgrpc.JobServiceStub(channel)
-                started = time.monotonic()
-                job = (await stub.SubmitJob(pb.SubmitJobRequest(spec=spec), metadata=metadata)).job
-                to_result = to_samples = None
-                call = stub.WatchJob(pb.WatchJobRequest(job_id=job.job_id), metadata=metadata)
-                async for update in call:
-                    if to_result is None and update.job.state == pb.JOB_STATE_SUCCEEDED:
-                        to_result = time.monotonic() - started
-                to_samples = time.monotonic() - started  # WatchJob ends when samples are done
-            leases = await scheduler.ledger.job_leases(job.job_id)
-            lease_s = sum(
-                ((lease.ended_at or lease.granted_at) - lease.granted_at).total_seconds()
-                for lease in leases
-            )
-            tasks = await scheduler.ledger.sample_tasks_of_job(job.job_id)
-            sample_s = sum(t.busy_seconds for t in tasks)
-            return {
-                "way": way,
-                "workers": workers,
-                "to_result_s": round(to_result or 0.0, 1),
-                "to_last_image_s": round(to_samples, 1),
-                "training_lease_s": round(lease_s, 1),
-                "sample_task_s": round(sample_s, 1),
-                "worker_s": round(lease_s + sample_s, 1),
-                "sample_tasks": len(tasks),
-                "images": sum(len(t.images) for t in tasks),
-            }
-    finally:
-        for process in processes:
-            if process.returncode is None:
-                process.terminate()
-        for process in processes:
-            await process.wait()
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.close()
+                script = IN_RUN_WORKER.format(bench_dir=str(Path(__file__).parent))
+                argv = ("-c", script) if way == "in-run" else ("-m", "lorafleet.worker")
+                machines = [f"bench-{n}" for n in range(workers)]
+                processes = await start_workers(env, machines, argv=argv)
+                return await run_job(scheduler, metadata, way, workers, args)
+        finally:
+            await stop_workers(processes)
+
+
+async def run_job(
+    scheduler: Scheduler,
+    metadata: tuple[tuple[str, str], ...],
+    way: str,
+    workers: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    spec = pb.JobSpec(
+        instance_prompt="a photo of sks dog",
+        instance_data_prefix=PREFIX,
+        max_train_steps=args.steps,
+        checkpointing_steps=args.every,
+        resolution=64,
+        seed=7,
+        learning_rate=1e-2,
+    )
+    if way != "in-run":
+        spec.validation_prompt = PROMPTS[0]
+        spec.validation_prompts.extend(PROMPTS[1:])
+        spec.validation_negative_prompt = "blurry"
+        spec.validation_steps = args.every
+        spec.validation_inference_steps = args.inference_steps
+        spec.num_validation_images = args.images
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}") as channel:
+        stub = pbgrpc.JobServiceStub(channel)
+        started = time.monotonic()
+        job = (await stub.SubmitJob(pb.SubmitJobRequest(spec=spec), metadata=metadata)).job
+        to_result = to_samples = None
+        call = stub.WatchJob(pb.WatchJobRequest(job_id=job.job_id), metadata=metadata)
+        async for update in call:
+            if to_result is None and update.job.state == pb.JOB_STATE_SUCCEEDED:
+                to_result = time.monotonic() - started
+        to_samples = time.monotonic() - started  # WatchJob ends when samples are done
+    leases = await scheduler.ledger.job_leases(job.job_id)
+    lease_s = sum(
+        ((lease.ended_at or lease.granted_at) - lease.granted_at).total_seconds()
+        for lease in leases
+    )
+    tasks = await scheduler.ledger.sample_tasks_of_job(job.job_id)
+    sample_s = sum(t.busy_seconds for t in tasks)
+    return {
+        "way": way,
+        "workers": workers,
+        "to_result_s": round(to_result or 0.0, 1),
+        "to_last_image_s": round(to_samples, 1),
+        "training_lease_s": round(lease_s, 1),
+        "sample_task_s": round(sample_s, 1),
+        "worker_s": round(lease_s + sample_s, 1),
+        "sample_tasks": len(tasks),
+        "images": sum(len(t.images) for t in tasks),
+    }
 
 
 async def main(argv: Sequence[str] | None = None) -> None:
@@ -258,12 +232,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=4, help="checkpoint and validation interval")
     parser.add_argument("--images", type=int, default=2, help="images per prompt")
     parser.add_argument("--inference-steps", type=int, default=8)
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get(
-            "LORAFLEET_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-        ),
-    )
+    parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

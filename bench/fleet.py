@@ -30,44 +30,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import grpc
+from local_fleet import (  # type: ignore[import-not-found]
+    DEFAULT_DATABASE_URL,
+    PREFIX,
+    TOKEN,
+    owner_with_images,
+    scratch_database,
+    start_workers,
+    stop_workers,
+    worker_env,
+)
 
-from lorafleet.core.model import upload_key
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
-from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.config import SchedulerConfig
 from lorafleet.scheduler.server import Scheduler
 from lorafleet.worker.tiny_model import build_tiny_model
 
-TOKEN = "bench-worker-token"
 RANKS = (4, 8)  # the two job shapes, alternating in the queue
 COLD_ENV = "LORAFLEET_COMPILE_MODEL=off,LORAFLEET_KEEP_BASE_MODEL=0"
 WARM_ENV = ""
-
-
-def png(seed: int) -> bytes:
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    array = rng.integers(0, 255, size=(64, 64, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(array, "RGB").save(out, format="PNG")
-    return out.getvalue()
 
 
 def parse_env(text: str) -> dict[str, str]:
@@ -130,27 +122,52 @@ async def first_steps(
     return seconds, phases, same_shape
 
 
-async def stop(processes: Sequence[asyncio.subprocess.Process]) -> None:
-    for process in processes:
-        if process.returncode is None:
-            process.terminate()
-    for process in processes:
-        await asyncio.wait_for(process.wait(), timeout=120)
+async def submit_and_wait(
+    scheduler: Scheduler,
+    metadata: tuple[tuple[str, str], ...],
+    args: argparse.Namespace,
+    mode: str,
+) -> float:
+    """Submits the jobs at once, two shapes interleaved; seconds until the last succeeded."""
+    specs = [
+        pb.JobSpec(
+            instance_prompt="a photo of sks dog",
+            instance_data_prefix=PREFIX,
+            max_train_steps=args.steps,
+            checkpointing_steps=args.checkpointing_steps,
+            resolution=64,
+            lora_rank=RANKS[i % len(RANKS)],
+            seed=1000 + i,
+            learning_rate=1e-2,
+            labels={"n": str(i)},
+        )
+        for i in range(args.jobs)
+    ]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}") as channel:
+        stub = pbgrpc.JobServiceStub(channel)
+        started = time.monotonic()
+        request = pb.SubmitJobsRequest(jobs=[pb.SubmitJobRequest(spec=spec) for spec in specs])
+        jobs = (await stub.SubmitJobs(request, metadata=metadata, timeout=60)).jobs
+        for job in jobs:
+            call = stub.WatchJob(pb.WatchJobRequest(job_id=job.job_id), metadata=metadata)
+            async for update in call:
+                if update.job.state in (pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELED):
+                    raise RuntimeError(f"{mode}: job {job.job_id} {update.job.error}")
+                if update.job.state == pb.JOB_STATE_SUCCEEDED:
+                    call.cancel()
+                    break
+        return time.monotonic() - started
 
 
 async def run_mode(
     mode: str, args: argparse.Namespace, model: Path, root: Path
 ) -> tuple[dict[str, Any], dict[int, str]]:
-    name = f"bench_fleet_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(args.database_url)
-    await admin.execute(f'CREATE DATABASE "{name}"')
-    url = args.database_url.rsplit("/", 1)[0] + f"/{name}"
     processes: list[asyncio.subprocess.Process] = []
-    try:
+    async with scratch_database(args.database_url, "bench_fleet") as url:
         config = SchedulerConfig(
             listen="127.0.0.1:0",
             database_url=url,
-            data_dir=root / name,
+            data_dir=root / f"scheduler-{mode}",
             worker_token=TOKEN,
             lease_ttl_s=60.0,
             heartbeat_interval_s=0.1,
@@ -158,118 +175,66 @@ async def run_mode(
             dispatch_interval_s=1.0,
             warm_dispatch_bound_s=args.bound if mode == "warm" else 0.0,
         )
-        async with Scheduler(config) as scheduler:
-            for i in range(3):
-                await scheduler.storage.put_bytes(upload_key("bench", "dogs", f"{i}.png"), png(i))
-            key = (await create_api_key(scheduler.ledger, "bench")).key
-            metadata = (("authorization", f"Bearer {key}"),)
-            env = {
-                **os.environ,
-                "LORAFLEET_SCHEDULER": f"127.0.0.1:{scheduler.port}",
-                "LORAFLEET_WORKER_TOKEN": TOKEN,
-                "LORAFLEET_ALLOW_CPU": "1",
-                "LORAFLEET_MODEL_PATH": str(model),
-                "LORAFLEET_LOCAL_FILES_ONLY": "1",
-                "LORAFLEET_DEVICE": "cpu",
-                "LORAFLEET_MIN_FREE_DISK_MB": "0",
-                "LORAFLEET_MIN_FREE_MEMORY_MB": "0",
-                "LORAFLEET_PROGRESS_INTERVAL_S": "0",
-                "LORAFLEET_COMPILE_CACHE_DIR": str(root / f"compile-{mode}"),
-                "OMP_NUM_THREADS": "1",
-                "LORAFLEET_LOG_FORMAT": "json",
-                **parse_env(args.cold_env if mode == "cold" else args.warm_env),
-            }
-            logs = [root / f"worker-{mode}-{n}.log" for n in range(args.workers)]
-            for n, log_path in enumerate(logs):
-                with log_path.open("wb") as log_file:
-                    processes.append(
-                        await asyncio.create_subprocess_exec(
-                            sys.executable,
-                            "-m",
-                            "lorafleet.worker",
-                            env={**env, "SALAD_MACHINE_ID": f"bench-{mode}-{n}"},
-                            stdout=asyncio.subprocess.DEVNULL,
-                            stderr=log_file,
-                        )
+        try:
+            async with Scheduler(config) as scheduler:
+                metadata = await owner_with_images(scheduler)
+                env = worker_env(
+                    scheduler,
+                    model,
+                    LORAFLEET_PROGRESS_INTERVAL_S="0",
+                    LORAFLEET_COMPILE_CACHE_DIR=str(root / f"compile-{mode}"),
+                    LORAFLEET_LOG_FORMAT="json",
+                    **parse_env(args.cold_env if mode == "cold" else args.warm_env),
+                )
+                logs = [root / f"worker-{mode}-{n}.log" for n in range(args.workers)]
+                machines = [f"bench-{mode}-{n}" for n in range(args.workers)]
+                processes = await start_workers(env, machines, logs=logs)
+                wall = await submit_and_wait(scheduler, metadata, args, mode)
+                # A worker logs a lease's timings as the lease ends, just after its result: all
+                # of them are written once the workers have drained and exited.
+                await stop_workers(processes)
+                conn = await asyncpg.connect(url)
+                try:
+                    by_lease, phases, same_shape = await first_steps(conn, leases_logged(logs))
+                    rows = await conn.fetch(
+                        "SELECT job_id, labels ->> 'n' AS n, result_sha256,"
+                        " extract(epoch FROM finished_at - created_at)::float8 AS result_s,"
+                        " (SELECT sum(extract(epoch FROM l.ended_at - l.granted_at))::float8"
+                        "  FROM leases l WHERE l.job_id = j.job_id) AS worker_s"
+                        " FROM jobs j"
                     )
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}") as channel:
-                stub = pbgrpc.JobServiceStub(channel)
-                started = time.monotonic()
-                request = pb.SubmitJobsRequest(
-                    jobs=[
-                        pb.SubmitJobRequest(
-                            spec=pb.JobSpec(
-                                instance_prompt="a photo of sks dog",
-                                instance_data_prefix="dogs",
-                                max_train_steps=args.steps,
-                                checkpointing_steps=args.checkpointing_steps,
-                                resolution=64,
-                                lora_rank=RANKS[i % len(RANKS)],
-                                seed=1000 + i,
-                                learning_rate=1e-2,
-                                labels={"n": str(i)},
-                            )
-                        )
-                        for i in range(args.jobs)
-                    ]
-                )
-                jobs = (await stub.SubmitJobs(request, metadata=metadata, timeout=60)).jobs
-                for job in jobs:
-                    call = stub.WatchJob(pb.WatchJobRequest(job_id=job.job_id), metadata=metadata)
-                    async for update in call:
-                        if update.job.state in (pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELED):
-                            raise RuntimeError(f"{mode}: job {job.job_id} {update.job.error}")
-                        if update.job.state == pb.JOB_STATE_SUCCEEDED:
-                            call.cancel()
-                            break
-                wall = time.monotonic() - started
-            # A worker logs a lease's timings as the lease ends, just after its result: all
-            # of them are written once the workers have drained and exited.
-            await stop(processes)
-            conn = await asyncpg.connect(url)
-            try:
-                by_lease, phases, same_shape = await first_steps(conn, leases_logged(logs))
-                rows = await conn.fetch(
-                    "SELECT job_id, labels ->> 'n' AS n, result_sha256,"
-                    " extract(epoch FROM finished_at - created_at)::float8 AS result_s,"
-                    " (SELECT sum(extract(epoch FROM l.ended_at - l.granted_at))::float8"
-                    "  FROM leases l WHERE l.job_id = j.job_id) AS worker_s"
-                    " FROM jobs j"
-                )
-            finally:
-                await conn.close()
-        grant_to_step = list(by_lease.values())
-        same = [seconds for lease, seconds in by_lease.items() if lease in same_shape]
-        results = {int(r["n"]): r["result_sha256"] for r in rows}
-        worker_s = [r["worker_s"] for r in rows]
-        result_s = [r["result_s"] for r in rows]
-        summary = {
-            "mode": mode,
-            "jobs": args.jobs,
-            "steps": args.steps,
-            "workers": args.workers,
-            "grant_to_first_step_median_s": round(statistics.median(grant_to_step), 3),
-            "grant_to_first_step_p95_s": round(percentile(grant_to_step, 0.95), 3),
-            "leases": len(grant_to_step),
-            "leases_of_a_shape_run_before": len(same),
-            "grant_to_first_step_shape_run_before_median_s": (
-                round(statistics.median(same), 3) if same else None
-            ),
-            "worker_s_per_job_median": round(statistics.median(worker_s), 2),
-            "worker_s_per_job_mean": round(statistics.mean(worker_s), 2),
-            "result_s_median": round(statistics.median(result_s), 1),
-            "result_s_p95": round(percentile(result_s, 0.95), 1),
-            "jobs_per_hour": round(args.jobs / wall * 3600, 1),
-            "wall_s": round(wall, 1),
-            "first_step_phases_median_s": {
-                name: round(statistics.median(values), 4) for name, values in phases.items()
-            },
-        }
-        return summary, results
-    finally:
-        await stop(processes)
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.close()
+                finally:
+                    await conn.close()
+        finally:
+            await stop_workers(processes)
+    grant_to_step = list(by_lease.values())
+    same = [seconds for lease, seconds in by_lease.items() if lease in same_shape]
+    results = {int(r["n"]): r["result_sha256"] for r in rows}
+    worker_s = [r["worker_s"] for r in rows]
+    result_s = [r["result_s"] for r in rows]
+    summary = {
+        "mode": mode,
+        "jobs": args.jobs,
+        "steps": args.steps,
+        "workers": args.workers,
+        "grant_to_first_step_median_s": round(statistics.median(grant_to_step), 3),
+        "grant_to_first_step_p95_s": round(percentile(grant_to_step, 0.95), 3),
+        "leases": len(grant_to_step),
+        "leases_of_a_shape_run_before": len(same),
+        "grant_to_first_step_shape_run_before_median_s": (
+            round(statistics.median(same), 3) if same else None
+        ),
+        "worker_s_per_job_median": round(statistics.median(worker_s), 2),
+        "worker_s_per_job_mean": round(statistics.mean(worker_s), 2),
+        "result_s_median": round(statistics.median(result_s), 1),
+        "result_s_p95": round(percentile(result_s, 0.95), 1),
+        "jobs_per_hour": round(args.jobs / wall * 3600, 1),
+        "wall_s": round(wall, 1),
+        "first_step_phases_median_s": {
+            name: round(statistics.median(values), 4) for name, values in phases.items()
+        },
+    }
+    return summary, results
 
 
 async def main(argv: Sequence[str] | None = None) -> int:
@@ -283,12 +248,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--bound", type=float, default=5.0, help="warm_dispatch_bound_s (warm)")
     parser.add_argument("--cold-env", default=COLD_ENV, help="worker variables, cold mode")
     parser.add_argument("--warm-env", default=WARM_ENV, help="worker variables, warm mode")
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get(
-            "LORAFLEET_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-        ),
-    )
+    parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
