@@ -3,6 +3,7 @@
     python -m bench.chaos                 # 1000 jobs x 1400 steps, up to 40 workers
     python -m bench.chaos --ci            # 100 jobs, up to 12 workers: a few minutes
     python -m bench.chaos --jobs 300 --steps 1400 --workers 24 --seed 7 --json out.json
+    python -m bench.chaos --ci --compare-intervals   # checkpointing auto against a fixed 100
 
 Everything is real except the arithmetic: its own Postgres cluster (pgserver's binaries),
 two scheduler replicas (`python -m lorafleet.app.main scheduler`) over it, their local object
@@ -16,6 +17,20 @@ jobs once, 3% three times), some of them SIGTERM drains instead; stream cuts; on
 (its machine fails every job as a node fault until the scaler reallocates it); one scheduler
 replica SIGKILLed and restarted; Postgres restarted (immediate stop) once; 5xx, resets and slow
 responses from storage.
+
+With `--mtbi-s M` the worker kills are memoryless instead (all SIGKILLs): each lease is killed
+after an exponentially distributed time of mean M seconds from when it is first seen running,
+drawn per (job's place in the queue, epoch) from the seed, so two runs with the same seed draw
+the same kills. That is the interruption model the Young-Daly rule assumes.
+
+`--compare-intervals` runs the fleet twice in one invocation, the same seed and memoryless
+kills, checkpointing every 100 steps and then `auto`, at a time scale where the two differ as on
+real nodes (about 1.4 s steps, checkpoints costing ~10 s of training, hours between
+interruptions), scaled down 70 times: 20 ms steps, a 0.14 s stall per checkpoint (the simulated
+trainer's `--simulate-checkpoint-stall-s`), a kill every 192 s of lease time on average, and
+the scheduler's priors for the auto interval (interruption rate, checkpoint cost, pace) set to
+those. It prints the two terms the rule trades (training time lost to interruptions, and
+training time spent checkpointing) for both, and their ratio.
 
 Then it reports in the terms of the system lorafleet replaces and audits (bench/chaos_audit.py),
 exiting 1 when any audit fails. Requests go to 127.0.0.1 only.
@@ -38,7 +53,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +83,7 @@ OWNER = "bench"
 PREFIX = "chaos/subject"
 TOKEN = "chaos-bench-worker-token-0123456789"
 SECRET = b"chaos-bench-shared-storage-secret-0123456789"
+RESOLUTION = 512
 IMAGES = {
     "1.png": b"\x89PNG simulated image one",
     "2.png": b"\x89PNG simulated image two",
@@ -84,6 +100,10 @@ class Settings:
     seed: int
     step_s: float
     checkpoint_bytes: int
+    # Training time each checkpoint stalls (the simulated trainer's snapshot on a slow node).
+    checkpoint_stall_s: float
+    # Mean lease-seconds between memoryless worker kills; 0: the planned kills.
+    mtbi_s: float
     lease_ttl_s: float
     heartbeat_s: float
     retention: int
@@ -278,6 +298,10 @@ class FaultPlan:
     def __init__(self, settings: Settings, job_ids: list[str]) -> None:
         rng = random.Random(settings.seed * 7919 + 1)
         self.rng = rng
+        self.seed = settings.seed
+        self.step_s = settings.step_s
+        self.mtbi_s = settings.mtbi_s
+        self.place = {job_id: i for i, job_id in enumerate(job_ids)}
         n = len(job_ids)
         shuffled = rng.sample(job_ids, n)
         # Planned above the 1% floor: a kill is missed when its job finishes first.
@@ -303,6 +327,21 @@ class FaultPlan:
         self.replica_kill_at = 0.3  # share of jobs finished
         self.postgres_restart_at = 0.55
         self.cut_every_s = 2.0
+
+    def kill_after_s(self, job_id: str, epoch: int, done_hits: int) -> float | None:
+        """Seconds after a lease is first seen running that its worker is stopped; None: never.
+        Memoryless kills draw per (place in the queue, epoch), the same in every run of a seed
+        (job ids differ between runs)."""
+        if self.mtbi_s:
+            draw = random.Random(f"{self.seed}:{self.place.get(job_id, -1)}:{epoch}")
+            return draw.expovariate(1.0 / self.mtbi_s)
+        planned = self.interruptions.get(job_id, [])
+        return planned[done_hits] * self.step_s if done_hits < len(planned) else None
+
+    def kill_signal(self) -> signal.Signals:
+        if self.mtbi_s:
+            return signal.SIGKILL  # a node that vanishes: the case checkpoints are for
+        return signal.SIGTERM if self.rng.random() < self.term_share else signal.SIGKILL
 
 
 class Chaos:
@@ -367,21 +406,17 @@ class Chaos:
         self.finished_share = done / self.s.jobs
         for row in rows:
             job_id = row["job_id"]
-            planned = self.plan.interruptions.get(job_id)
-            done_hits = self.hit[job_id]
-            if not planned or done_hits >= len(planned):
-                continue
             key = (job_id, int(row["epoch"]))
+            after_s = self.plan.kill_after_s(job_id, key[1], self.hit[job_id])
+            if after_s is None or key in self.hit_epochs:
+                continue
             seen_at = self.first_seen.setdefault(key, time.monotonic())
-            due_at = seen_at + planned[done_hits] * self.s.step_s
-            if key in self.hit_epochs or time.monotonic() < due_at:
+            if time.monotonic() < seen_at + after_s:
                 continue
             pid = self._pid_of(row["machine_id"])
             if pid is None:
                 continue
-            sig = (
-                signal.SIGTERM if self.plan.rng.random() < self.plan.term_share else signal.SIGKILL
-            )
+            sig = self.plan.kill_signal()
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
                 self.hit[job_id] += 1
@@ -440,7 +475,7 @@ async def submit(port: int, key: str, settings: Settings, webhook_url: str) -> l
                         max_train_steps=settings.steps,
                         checkpointing_steps=settings.interval,
                         seed=settings.seed * 100_000 + i,
-                        resolution=512,
+                        resolution=RESOLUTION,
                         labels={"bench": "chaos", "n": str(i)},
                     )
                 )
@@ -536,7 +571,8 @@ def expected_results(settings: Settings) -> Expected:
     return Expected(by_index=out)
 
 
-async def run(settings: Settings) -> int:
+async def run(settings: Settings) -> tuple[int, dict[str, Any]]:
+    """One fleet run, audited: the exit code (1: an audit failed) and the report."""
     started = time.time()
     work = settings.workdir or Path(tempfile.mkdtemp(prefix="lorafleet-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -596,6 +632,15 @@ async def run(settings: Settings) -> int:
         # streams on purpose: no per-address bound, as for any fleet behind a proxy.
         LORAFLEET_WORKER_STREAMS_PER_PEER_PER_MIN="0",
     )
+    if settings.mtbi_s:
+        # The auto interval's priors at the bench's time scale (an operator sets them for the
+        # fleet's hardware): the kills' true rate, the stall, the simulated pace (the prior is
+        # per 1024x1024 image step; the jobs are 512 px).
+        env.update(
+            LORAFLEET_INTERRUPTION_PRIOR_S=str(settings.mtbi_s),
+            LORAFLEET_CHECKPOINT_COST_PRIOR_S=str(settings.checkpoint_stall_s or 0.05),
+            LORAFLEET_ESTIMATE_PRIOR_S_PER_STEP=str(settings.step_s * (1024 / RESOLUTION) ** 2),
+        )
     replicas = [
         Replica(
             name=name,
@@ -643,6 +688,7 @@ async def run(settings: Settings) -> int:
             "BENCH_BAD_MACHINE": bad_machine,
             "LORAFLEET_SIMULATE_STEP_S": str(settings.step_s),
             "LORAFLEET_SIMULATE_CHECKPOINT_BYTES": str(settings.checkpoint_bytes),
+            "LORAFLEET_SIMULATE_CHECKPOINT_STALL_S": str(settings.checkpoint_stall_s),
             "LORAFLEET_DRAIN_GRACE_S": "10",
             "LORAFLEET_RECONNECT_MAX_BACKOFF_S": "2",
             "LORAFLEET_RECONNECT_INITIAL_BACKOFF_S": "0.2",
@@ -720,13 +766,16 @@ async def run(settings: Settings) -> int:
         replica_exit_codes=exit_codes,
     )
     pg.stop()
-    planned = sum(len(steps) for steps in plan.interruptions.values())
-    report["kills_planned_done"] = f"{sum(chaos.hit.values())} of {planned}"
-    report["kills_missed"] = {
-        job_id: f"{chaos.hit[job_id]} of {len(steps)}"
-        for job_id, steps in plan.interruptions.items()
-        if chaos.hit[job_id] < len(steps)
-    }
+    if settings.mtbi_s:
+        report["kills_done (memoryless)"] = sum(chaos.hit.values())
+    else:
+        planned = sum(len(steps) for steps in plan.interruptions.values())
+        report["kills_planned_done"] = f"{sum(chaos.hit.values())} of {planned}"
+        report["kills_missed"] = {
+            job_id: f"{chaos.hit[job_id]} of {len(steps)}"
+            for job_id, steps in plan.interruptions.items()
+            if chaos.hit[job_id] < len(steps)
+        }
     report["wall_seconds_total"] = round(time.time() - started, 1)
     report["workdir"] = str(work)
     print(json.dumps(report, indent=2, default=str))
@@ -739,11 +788,72 @@ async def run(settings: Settings) -> int:
         for failure in failures:
             print(f"  - {failure}", file=sys.stderr)
         print(f"logs kept in {work}", file=sys.stderr)
-        return 1
+        return 1, report
     print("\nchaos: every audit passed", flush=True)
     if not settings.keep and settings.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return 0, report
+
+
+# What --compare-intervals reports of each run (chaos_audit's report keys).
+COMPARED = (
+    ("interval per lease, steps", "intervals_chosen (auto, per lease)"),
+    ("interruptions; steps lost per interruption", "steps_lost_per_interruption"),
+    ("steps lost in all", "steps_lost_total"),
+    ("checkpoints taken (each a stall)", "checkpoint_snapshots_taken"),
+    ("checkpoints committed", "checkpoints_committed"),
+    ("training s lost to interruptions", "training_s_lost"),
+    ("training s spent checkpointing", "training_s_checkpointing"),
+    ("the two together, s", "training_s_lost_plus_checkpointing"),
+    ("GPU-seconds", "gpu_seconds"),
+    ("run, submit to last result, s", "run_seconds"),
+)
+
+
+def compare(fixed: dict[str, Any], auto: dict[str, Any]) -> str:
+    """The two runs side by side, with auto's ratio to the fixed interval where it is one."""
+
+    def shown(value: Any) -> str:
+        if isinstance(value, dict):
+            if "median" in value:
+                count = f"{value['count']}, " if "count" in value else ""
+                return f"{count}median {value['median']:g}, mean {value['mean']:g}"
+            return "-"
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    lines = ["| figure | fixed 100 | auto | auto / fixed |", "|---|---|---|---|"]
+    for label, key in COMPARED:
+        a, b = fixed.get(key), auto.get(key)
+        if key == "intervals_chosen (auto, per lease)":
+            a = fixed["checkpoint_interval"]  # chosen by no one: the spec's
+        numbers = isinstance(a, int | float) and isinstance(b, int | float) and a
+        ratio = f"{b / a:.2f}" if numbers else ""  # type: ignore[operator]
+        lines.append(f"| {label} | {shown(a)} | {shown(b)} | {ratio} |")
+    return "\n".join(lines)
+
+
+async def compare_intervals(settings: Settings) -> int:
+    """A fixed 100 then auto, the same seed and kills; the comparison printed last."""
+    codes: list[int] = []
+    reports: list[dict[str, Any]] = []
+    json_path = os.environ.pop("BENCH_CHAOS_JSON", None)
+    for interval in (100, 0):
+        name = f"interval-{interval or 'auto'}"
+        print(f"chaos: checkpointing {interval or 'auto'}", flush=True)
+        workdir = settings.workdir / name if settings.workdir else None
+        code, report = await run(replace(settings, interval=interval, workdir=workdir))
+        codes.append(code)
+        reports.append(report)
+    if json_path:
+        both = {"fixed_100": reports[0], "auto": reports[1]}
+        await asyncio.to_thread(Path(json_path).write_text, json.dumps(both, indent=2, default=str))
+    print(
+        "\ncheckpointing_steps auto against a fixed 100 (memoryless kills, mean"
+        f" {settings.mtbi_s:g} s of lease time; {settings.step_s:g} s steps;"
+        f" {settings.checkpoint_stall_s:g} s stall a checkpoint):"
+    )
+    print(compare(*reports), flush=True)
+    return max(codes)
 
 
 def _interval(text: str) -> int:
@@ -756,7 +866,7 @@ def _interval(text: str) -> int:
     return value
 
 
-def parse(argv: list[str] | None) -> tuple[Settings, str | None]:
+def parse(argv: list[str] | None) -> tuple[Settings, str | None, bool]:
     parser = argparse.ArgumentParser(
         prog="python -m bench.chaos",
         description=__doc__,
@@ -773,10 +883,25 @@ def parse(argv: list[str] | None) -> tuple[Settings, str | None]:
     )
     parser.add_argument("--workers", type=int)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--step-s", type=float, default=0.002)
+    parser.add_argument(
+        "--compare-intervals",
+        action="store_true",
+        help="run a fixed 100 and auto in turn, memoryless kills, at the scaled real time scale"
+        " (defaults: --step-s 0.02 --checkpoint-stall-s 0.14 --mtbi-s 192 --heartbeat-s 0.2)",
+    )
+    parser.add_argument("--step-s", type=float, help="simulated step (default 0.002)")
     parser.add_argument("--checkpoint-bytes", type=int, default=256 * 1024)
+    parser.add_argument(
+        "--checkpoint-stall-s", type=float, help="training stall a checkpoint (default 0)"
+    )
+    parser.add_argument(
+        "--mtbi-s",
+        type=float,
+        help="memoryless worker kills, one per this many lease-seconds on average"
+        " (default: the planned kills)",
+    )
     parser.add_argument("--lease-ttl-s", type=float, default=8.0)
-    parser.add_argument("--heartbeat-s", type=float, default=1.0)
+    parser.add_argument("--heartbeat-s", type=float, help="worker heartbeat (default 1)")
     parser.add_argument("--retention", type=int, default=2)
     parser.add_argument("--price-per-gpu-hour", type=float, default=0.25)
     parser.add_argument("--timeout-s", type=float)
@@ -784,33 +909,42 @@ def parse(argv: list[str] | None) -> tuple[Settings, str | None]:
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args(argv)
+    compare = args.compare_intervals
+
+    def given(value: float | None, default: float, compared: float) -> float:
+        return value if value is not None else (compared if compare else default)
+
     settings = Settings(
         jobs=args.jobs or (100 if args.ci else 1000),
         steps=args.steps,
         interval=args.interval,
         workers=args.workers or (12 if args.ci else 40),
         seed=args.seed,
-        step_s=args.step_s,
+        step_s=given(args.step_s, 0.002, 0.02),
         checkpoint_bytes=args.checkpoint_bytes,
+        checkpoint_stall_s=given(args.checkpoint_stall_s, 0.0, 0.14),
+        mtbi_s=given(args.mtbi_s, 0.0, 192.0),
         lease_ttl_s=args.lease_ttl_s,
-        heartbeat_s=args.heartbeat_s,
+        heartbeat_s=given(args.heartbeat_s, 1.0, 0.2),
         retention=args.retention,
         price_per_gpu_hour=args.price_per_gpu_hour,
-        timeout_s=args.timeout_s or (240.0 if args.ci else 1500.0),
+        timeout_s=args.timeout_s or ((900.0 if compare else 240.0) if args.ci else 1500.0),
         workdir=args.workdir,
         keep=args.keep,
     )
-    return settings, args.json
+    return settings, args.json, compare
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings, json_path = parse(argv)
+    settings, json_path, compare = parse(argv)
     if json_path:
         os.environ["BENCH_CHAOS_JSON"] = json_path
     from lorafleet.core.telemetry import configure_logging
 
     configure_logging(level="WARNING", fmt="console")
-    return asyncio.run(run(settings))
+    if compare:
+        return asyncio.run(compare_intervals(settings))
+    return asyncio.run(run(settings))[0]
 
 
 if __name__ == "__main__":
