@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Awaitable, Callable
 
 import asyncpg
 import grpc
@@ -14,7 +15,7 @@ import pytest
 from lorafleet.core.spec import CHECKPOINTING_AUTO
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
-from lorafleet.scheduler.checkpoint_interval import young_daly_steps
+from lorafleet.scheduler.checkpoint_interval import RecentFigures, young_daly_steps
 from lorafleet.scheduler.config import SchedulerConfig
 from lorafleet.scheduler.job_handler import PRIOR_S_PER_STEP
 from tests.support.fleet import Fleet
@@ -195,3 +196,28 @@ async def test_a_bad_checkpoint_cost_is_refused_naming_the_field(
             await worker.expect("lease_granted")
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "ready.checkpoint_cost_s" in (refused.value.details() or "")
+
+
+async def test_ledger_figures_are_reused_for_a_while_and_bounded() -> None:
+    loads: list[str] = []
+
+    def loader(key: str) -> Callable[[], Awaitable[str]]:
+        async def load() -> str:
+            loads.append(key)
+            return key.upper()
+
+        return load
+
+    recent: RecentFigures[str, str] = RecentFigures(ttl_s=3600.0, kept=2)
+    assert await recent.get("a", loader("a")) == "A"
+    assert await recent.get("a", loader("a")) == "A"
+    assert loads == ["a"]  # reused within its time
+    # A worker inventing GPU classes: only the newest `kept` stay, the oldest goes first.
+    for key in ("b", "c"):
+        await recent.get(key, loader(key))
+    await recent.get("a", loader("a"))
+    assert loads == ["a", "b", "c", "a"]
+    stale: RecentFigures[str, str] = RecentFigures(ttl_s=0.0)
+    await stale.get("x", loader("x"))
+    await stale.get("x", loader("x"))
+    assert loads[-2:] == ["x", "x"]  # past its time: loaded again

@@ -1019,10 +1019,13 @@ class Ledger:
         async with self._conn() as conn:
             await conn.execute(QUERIES["record_notice"], _uuid_or_nil(lease_id), epoch, message)
 
-    async def set_lease_interval(self, lease_id: str, epoch: int, steps: int) -> bool:
+    async def set_lease_interval(self, lease_id: str, epoch: int, steps: int, notice: str) -> bool:
         """Records the checkpoint interval chosen for a live lease (checkpointing_steps auto):
-        the stall bound and its progress rule follow what the holder was told."""
-        row = await self._fetchrow("set_lease_interval", _uuid_or_nil(lease_id), epoch, steps)
+        the stall bound and its progress rule follow what the holder was told; `notice` (what
+        it was chosen from) goes on the job's timeline with it."""
+        row = await self._fetchrow(
+            "set_lease_interval", _uuid_or_nil(lease_id), epoch, steps, notice
+        )
         return row is not None
 
     async def lease_is_live(self, lease_id: str) -> bool:

@@ -14,6 +14,10 @@ mean time between interruptions. Here:
 * Steps: the interval over the fleet's pace on the job's shape (`JobHandler.spec_pace`: verified
   completions, else the prior), bounded to `checkpoint_min_steps`..max_train_steps.
 
+Both ledger figures are kept for `FIGURES_TTL_S` per GPU class and per job shape: over a window
+of days they move by nothing in that time, and a grant then costs the ledger one round trip
+for its interval (the interval and its NOTICE in one statement) instead of four.
+
 The interval travels in the grant's spec (`checkpointing_steps`, which trains nothing: the
 resume fingerprint is unchanged) and goes on the job's timeline as a NOTICE with its inputs.
 """
@@ -21,12 +25,46 @@ resume fingerprint is unchanged) and goes on the job's timeline as a NOTICE with
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from lorafleet.core.spec import JobSpec
 from lorafleet.ledger.ledger import Interruptions, Ledger
 from lorafleet.scheduler.job_handler import Pace
+
+# How long a GPU class's interruption count and a shape's pace are reused between grants.
+FIGURES_TTL_S = 30.0
+# Distinct GPU classes and shapes remembered at once: the GPU class is the worker's word, so a
+# worker inventing names must not grow the scheduler's memory.
+FIGURES_KEPT = 256
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class RecentFigures(Generic[K, V]):
+    """Values loaded from the ledger, reused for `ttl_s`; at most `kept` keys (the oldest
+    loaded goes first)."""
+
+    def __init__(self, *, ttl_s: float = FIGURES_TTL_S, kept: int = FIGURES_KEPT) -> None:
+        self._ttl_s = ttl_s
+        self._kept = kept
+        self._values: OrderedDict[K, tuple[float, V]] = OrderedDict()
+
+    async def get(self, key: K, load: Callable[[], Awaitable[V]]) -> V:
+        now = time.monotonic()
+        held = self._values.get(key)
+        if held is not None and now - held[0] < self._ttl_s:
+            return held[1]
+        value = await load()
+        self._values.pop(key, None)
+        self._values[key] = (now, value)
+        while len(self._values) > self._kept:
+            self._values.popitem(last=False)
+        return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,16 +127,25 @@ class CheckpointIntervals:
         self._ledger = ledger
         self._pace = pace
         self._settings = settings
+        self._interruptions: RecentFigures[str, Interruptions] = RecentFigures()
+        self._paces: RecentFigures[tuple[int, int, int, bool], Pace] = RecentFigures()
 
     async def choose(
         self, spec: JobSpec, *, gpu_model: str, reported_cost_s: float | None
     ) -> CheckpointInterval:
         s = self._settings
-        observed = await self._ledger.interruptions_for_gpu(
-            gpu_model, window_s=s.interruption_window_s
+        observed = await self._interruptions.get(
+            gpu_model,
+            lambda: self._ledger.interruptions_for_gpu(gpu_model, window_s=s.interruption_window_s),
         )
         mtbi_s = mean_time_between_interruptions(observed, s.interruption_prior_s)
-        pace = await self._pace(spec)
+        shape = (
+            spec.resolution,
+            spec.train_batch_size,
+            spec.gradient_accumulation_steps,
+            spec.train_text_encoder,
+        )
+        pace = await self._paces.get(shape, lambda: self._pace(spec))
         cost_s = reported_cost_s if reported_cost_s else s.cost_prior_s
         return CheckpointInterval(
             steps=young_daly_steps(

@@ -303,9 +303,8 @@ class Dispatcher:
             gpu_model=session.machine.gpu_model,
             reported_cost_s=session.ready.checkpoint_cost_s,
         )
-        await self._ledger.set_lease_interval(job.lease_id, job.epoch, interval.steps)
-        await self._ledger.record_notice(
-            job.lease_id, job.epoch, interval.describe(session.machine.gpu_model)
+        await self._ledger.set_lease_interval(
+            job.lease_id, job.epoch, interval.steps, interval.describe(session.machine.gpu_model)
         )
         return dataclasses.replace(spec, checkpointing_steps=interval.steps)
 

@@ -438,10 +438,17 @@ WITH target AS (
 SELECT * FROM updated;
 
 -- name: set_lease_interval
--- $1 lease, $2 epoch, $3 the checkpoint interval the scheduler chose for that live lease.
-UPDATE jobs SET lease_checkpoint_steps = $3
-WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING'
-RETURNING job_id;
+-- $1 lease, $2 epoch, $3 the checkpoint interval the scheduler chose for that live lease, $4
+-- what it was chosen from: a NOTICE on the job's timeline, in the same round trip.
+WITH live AS (
+    UPDATE jobs SET lease_checkpoint_steps = $3
+    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING'
+    RETURNING job_id, lease_id, machine_id, epoch, progress_step
+), logged AS (
+    INSERT INTO job_events (job_id, kind, lease_id, machine_id, epoch, step, message)
+    SELECT job_id, 'NOTICE', lease_id, machine_id, epoch, progress_step, $4 FROM live
+)
+SELECT job_id FROM live;
 
 -- name: commit_checkpoint
 -- $1 lease, $2 epoch, $3 step, $4 key, $5 bytes, $6 sha256. Recorded only under the live lease.
