@@ -208,17 +208,17 @@ def test_skipping_peft_input_casts_under_autocast_trains_the_same_bits(
     """Under autocast the trainer turns off peft's cast of each LoRA layer's input to the fp32
     adapter weights (autocast casts it straight back): fewer kernels, the same bits."""
     spec = tiny_spec(mixed_precision="bf16", train_text_encoder=True, max_train_steps=3)
-    calls: list[bool] = []
-    real = lora.set_input_casting
+    calls: list[int] = []
+    real = lora.skip_input_casts
 
-    def recorded(modules: Any, *, enabled: bool) -> None:
-        calls.append(enabled)
-        real(modules, enabled=enabled)
+    def recorded(modules: Any) -> None:
+        calls.append(len(list(modules)))
+        real(modules)
 
-    monkeypatch.setattr(loop, "set_input_casting", recorded)
+    monkeypatch.setattr(loop, "skip_input_casts", recorded)
     skipped, _ = train(spec)
-    assert calls == [False]
-    monkeypatch.setattr(loop, "set_input_casting", lambda modules, *, enabled: None)
+    assert calls == [3]  # once, on the UNet and both text encoders
+    monkeypatch.setattr(loop, "skip_input_casts", lambda modules: None)
     cast, _ = train(spec)
     assert same_tensors(lora_tensors(skipped), lora_tensors(cast))
 

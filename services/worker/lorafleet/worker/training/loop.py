@@ -61,7 +61,7 @@ from lorafleet.worker.training.lora import (
     kohya_weights_bytes,
     lora_parameters,
     lora_weights_bytes,
-    set_input_casting,
+    skip_input_casts,
 )
 from lorafleet.worker.training.objective import (
     draw_noise,
@@ -559,7 +559,7 @@ class _Run:
             # backward per layer, a sixth of a full-size step's launches. Skipped under
             # autocast (the result is bit-identical; DoRA's own arithmetic would see another
             # dtype, so it keeps the cast); park_lora turns the cast on again.
-            set_input_casting(self.trained.values(), enabled=False)
+            skip_input_casts(self.trained.values())
         if self.spec.gradient_checkpointing:
             components.unet.enable_gradient_checkpointing()
             for name in ("text_encoder", "text_encoder_2"):

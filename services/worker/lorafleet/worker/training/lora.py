@@ -162,12 +162,13 @@ def parked_shapes(components: Components) -> list[tuple[int, float, bool, bool, 
     return warm
 
 
-def set_input_casting(modules: Iterable[Any], *, enabled: bool) -> None:
-    """Whether the LoRA layers of `modules` cast their input to the adapter weights' dtype
-    (peft's default, needed without autocast when the frozen weights are in another dtype)."""
+def skip_input_casts(modules: Iterable[Any]) -> None:
+    """The LoRA layers of `modules` stop casting their input to the adapter weights' dtype:
+    under autocast it casts straight back. peft casts by default (needed without autocast when
+    the frozen weights are in another dtype); `park_lora` restores that for the next run."""
     for module in modules:
         for layer in _lora_layers(module):
-            layer.cast_input_dtype_enabled = enabled
+            layer.cast_input_dtype_enabled = False
 
 
 def _remove_adapters(module: Any) -> None:
