@@ -30,7 +30,11 @@ from lorafleet.worker.training.checkpoint import (
     join_tensors,
     split_tensors,
 )
-from lorafleet.worker.training.serialization import safetensors_bytes, safetensors_metadata
+from lorafleet.worker.training.serialization import (
+    safetensors_bytes,
+    safetensors_header,
+    safetensors_metadata,
+)
 from tests.support.training import Recorder, TrainFn, instance_images, make_config, tiny_spec
 
 
@@ -240,3 +244,24 @@ def test_a_dtype_safetensors_cannot_hold_is_refused_by_name() -> None:
     )
     with pytest.raises(TypeError, match=r"cannot hold torch\.complex128"):
         serialize_checkpoint(snapshot)
+
+
+def test_the_header_is_the_json_one_dumps_writes() -> None:
+    """The header is written as text per tensor (it holds the GIL for less); it must be the
+    bytes `json.dumps` gives the same header, whatever the keys, shapes and metadata."""
+    tensors = [
+        ('unet.down."quoted"\\é.lora_A', torch.float32, torch.Size([4, 320]), 5120),
+        ("scalar", torch.bfloat16, torch.Size([]), 2),
+        ("empty", torch.uint8, torch.Size([0, 3]), 0),
+        ("\u4e2d\u6587", torch.int64, torch.Size([2]), 16),
+    ]
+    metadata = {"z": 'é\n"{}"', "a": ""}
+    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
+    start = 0
+    for key, dtype, shape, size in tensors:
+        name = {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}.get(dtype, "I64")
+        header[key] = {"dtype": name, "shape": list(shape), "data_offsets": [start, start + size]}
+        start += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    assert safetensors_header(tensors, metadata) == len(text).to_bytes(8, "little") + text
