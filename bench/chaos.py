@@ -84,6 +84,8 @@ PREFIX = "chaos/subject"
 TOKEN = "chaos-bench-worker-token-0123456789"
 SECRET = b"chaos-bench-shared-storage-secret-0123456789"
 RESOLUTION = 512
+# An SDXL LoRA step on the fleet's GPUs, seconds: what --compare-intervals scales down.
+REAL_STEP_S = 1.4
 IMAGES = {
     "1.png": b"\x89PNG simulated image one",
     "2.png": b"\x89PNG simulated image two",
@@ -330,10 +332,11 @@ class FaultPlan:
 
     def kill_after_s(self, job_id: str, epoch: int, done_hits: int) -> float | None:
         """Seconds after a lease is first seen running that its worker is stopped; None: never.
-        Memoryless kills draw per (place in the queue, epoch), the same in every run of a seed
-        (job ids differ between runs)."""
+        Memoryless kills draw per (place in the queue, kills done to the job so far): a job's
+        k-th kill comes as long after its lease starts in every run of a seed, whatever else
+        ended its leases (job ids differ between runs; epochs count other interruptions too)."""
         if self.mtbi_s:
-            draw = random.Random(f"{self.seed}:{self.place.get(job_id, -1)}:{epoch}")
+            draw = random.Random(f"{self.seed}:{self.place.get(job_id, -1)}:{done_hits}")
             return draw.expovariate(1.0 / self.mtbi_s)
         planned = self.interruptions.get(job_id, [])
         return planned[done_hits] * self.step_s if done_hits < len(planned) else None
@@ -640,6 +643,8 @@ async def run(settings: Settings) -> tuple[int, dict[str, Any]]:
             LORAFLEET_INTERRUPTION_PRIOR_S=str(settings.mtbi_s),
             LORAFLEET_CHECKPOINT_COST_PRIOR_S=str(settings.checkpoint_stall_s or 0.05),
             LORAFLEET_ESTIMATE_PRIOR_S_PER_STEP=str(settings.step_s * (1024 / RESOLUTION) ** 2),
+            # The 30 s for which the ledger's figures are reused, at the same time scale.
+            LORAFLEET_INTERRUPTION_FIGURES_TTL_S=str(30.0 * settings.step_s / REAL_STEP_S),
         )
     replicas = [
         Replica(
@@ -914,6 +919,8 @@ def parse(argv: list[str] | None) -> tuple[Settings, str | None, bool]:
     def given(value: float | None, default: float, compared: float) -> float:
         return value if value is not None else (compared if compare else default)
 
+    if compare and args.mtbi_s == 0:
+        parser.error("--compare-intervals runs memoryless kills: --mtbi-s must be positive")
     settings = Settings(
         jobs=args.jobs or (100 if args.ci else 1000),
         steps=args.steps,

@@ -21,10 +21,11 @@ def test_memoryless_kills_are_the_same_in_every_run_of_a_seed() -> None:
     assert compare and settings.mtbi_s == 192.0 and settings.step_s == 0.02
     first, second = ids(100), ids(100)  # another run's jobs: other ids, the same queue places
     a, b = FaultPlan(settings, first), FaultPlan(settings, second)
-    draws = [a.kill_after_s(job, epoch, 0) for job in first for epoch in (1, 2, 3)]
-    assert draws == [b.kill_after_s(job, epoch, 0) for job in second for epoch in (1, 2, 3)]
-    # Each lease draws afresh: not the same time for a job's next lease, whatever was done.
+    draws = [a.kill_after_s(job, 1, hits) for job in first for hits in (0, 1, 2)]
+    assert draws == [b.kill_after_s(job, 1, hits) for job in second for hits in (0, 1, 2)]
+    # A job's next kill is a draw of its own, and other interruptions (epochs) change nothing.
     assert a.kill_after_s(first[0], 1, 0) != a.kill_after_s(first[0], 2, 1)
+    assert a.kill_after_s(first[0], 5, 1) == b.kill_after_s(second[0], 2, 1)
     # Another seed, other kills.
     other = FaultPlan(dataclasses.replace(settings, seed=2), first)
     assert other.kill_after_s(first[0], 1, 0) != draws[0]

@@ -212,11 +212,13 @@ async def test_ledger_figures_are_reused_for_a_while_and_bounded() -> None:
     assert await recent.get("a", loader("a")) == "A"
     assert await recent.get("a", loader("a")) == "A"
     assert loads == ["a"]  # reused within its time
-    # A worker inventing GPU classes: only the newest `kept` stay, the oldest goes first.
-    for key in ("b", "c"):
-        await recent.get(key, loader(key))
+    # A worker inventing GPU classes: only `kept` stay, the least recently used goes first.
+    await recent.get("b", loader("b"))
+    await recent.get("a", loader("a"))  # used again: now b is the least recent
+    await recent.get("c", loader("c"))  # b goes
     await recent.get("a", loader("a"))
-    assert loads == ["a", "b", "c", "a"]
+    await recent.get("b", loader("b"))
+    assert loads == ["a", "b", "c", "b"]
     stale: RecentFigures[str, str] = RecentFigures(ttl_s=0.0)
     await stale.get("x", loader("x"))
     await stale.get("x", loader("x"))

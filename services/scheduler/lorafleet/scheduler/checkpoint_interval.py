@@ -14,9 +14,9 @@ mean time between interruptions. Here:
 * Steps: the interval over the fleet's pace on the job's shape (`JobHandler.spec_pace`: verified
   completions, else the prior), bounded to `checkpoint_min_steps`..max_train_steps.
 
-Both ledger figures are kept for `FIGURES_TTL_S` per GPU class and per job shape: over a window
-of days they move by nothing in that time, and a grant then costs the ledger one round trip
-for its interval (the interval and its NOTICE in one statement) instead of four.
+Both ledger figures are reused for `figures_ttl_s` (30 s) per GPU class and per job shape: over
+a window of days they move by nothing in that time, and a grant then costs the ledger one round
+trip for its interval (the interval and its NOTICE in one statement) instead of four.
 
 The interval travels in the grant's spec (`checkpointing_steps`, which trains nothing: the
 resume fingerprint is unchanged) and goes on the job's timeline as a NOTICE with its inputs.
@@ -35,8 +35,6 @@ from lorafleet.core.spec import JobSpec
 from lorafleet.ledger.ledger import Interruptions, Ledger
 from lorafleet.scheduler.job_handler import Pace
 
-# How long a GPU class's interruption count and a shape's pace are reused between grants.
-FIGURES_TTL_S = 30.0
 # Distinct GPU classes and shapes remembered at once: the GPU class is the worker's word, so a
 # worker inventing names must not grow the scheduler's memory.
 FIGURES_KEPT = 256
@@ -46,10 +44,10 @@ V = TypeVar("V")
 
 
 class RecentFigures(Generic[K, V]):
-    """Values loaded from the ledger, reused for `ttl_s`; at most `kept` keys (the oldest
-    loaded goes first)."""
+    """Values loaded from the ledger, reused for `ttl_s`; at most `kept` keys (the least
+    recently used goes first)."""
 
-    def __init__(self, *, ttl_s: float = FIGURES_TTL_S, kept: int = FIGURES_KEPT) -> None:
+    def __init__(self, *, ttl_s: float, kept: int = FIGURES_KEPT) -> None:
         self._ttl_s = ttl_s
         self._kept = kept
         self._values: OrderedDict[K, tuple[float, V]] = OrderedDict()
@@ -58,6 +56,7 @@ class RecentFigures(Generic[K, V]):
         now = time.monotonic()
         held = self._values.get(key)
         if held is not None and now - held[0] < self._ttl_s:
+            self._values.move_to_end(key)
             return held[1]
         value = await load()
         self._values.pop(key, None)
@@ -73,6 +72,7 @@ class CheckpointIntervalSettings:
     interruption_prior_s: float = 4 * 3600.0
     interruption_window_s: float = 7 * 86400.0
     min_steps: int = 10
+    figures_ttl_s: float = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,8 +127,9 @@ class CheckpointIntervals:
         self._ledger = ledger
         self._pace = pace
         self._settings = settings
-        self._interruptions: RecentFigures[str, Interruptions] = RecentFigures()
-        self._paces: RecentFigures[tuple[int, int, int, bool], Pace] = RecentFigures()
+        ttl_s = settings.figures_ttl_s
+        self._interruptions: RecentFigures[str, Interruptions] = RecentFigures(ttl_s=ttl_s)
+        self._paces: RecentFigures[tuple[int, int, int, bool], Pace] = RecentFigures(ttl_s=ttl_s)
 
     async def choose(
         self, spec: JobSpec, *, gpu_model: str, reported_cost_s: float | None

@@ -199,6 +199,13 @@ class SchedulerConfig(ServiceSettings):
         description="the shortest automatic checkpoint interval, in steps (the longest is the"
         " job's max_train_steps)",
     )
+    interruption_figures_ttl_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="how long a GPU class's interruption count and a job shape's pace are reused"
+        " between automatic intervals (0: read at every grant)",
+    )
     quarantine_empty_leases: int = Field(
         10,
         ge=1,

@@ -280,7 +280,8 @@ def slot_key(slot: fpb.UploadSlot) -> SlotKey:
 class _Blob:
     """Bytes to store, with the two digests their upload needs, computed once."""
 
-    data: bytes | memoryview = field(repr=False)  # a checkpoint: a read-only view
+    # A checkpoint's is a read-only view over a numpy buffer: not hashable, not picklable.
+    data: bytes | memoryview = field(repr=False, compare=False)
     sha256: str  # hex: announced to the scheduler, recorded by the ledger
     md5: str  # base64: the store checks the body against it (Content-MD5)
 

@@ -263,10 +263,10 @@ def serialize_checkpoint(snapshot: TrainingSnapshot) -> memoryview:
     its own bytes again, and `safetensors.torch.load` reads the result like any safetensors
     file. The data section is slices of a few large buffers copied once into the blob, and
     both the hashing and the copy release the GIL, so a training thread beside it keeps
-    running: a `bytes` join of memoryviews (as before) holds the GIL through the whole copy,
-    80-90 ms for a 90 MB SDXL checkpoint on the 2-core VM, and so did a zero-filled
-    `bytearray`; numpy's copy into uninitialised memory holds it for a few ms
-    (bench/bench_checkpoint_gil.py).
+    running: a `bytes` join of memoryviews (as before) holds the GIL through the whole copy
+    (a 90 MB SDXL checkpoint kept the training thread waiting ~50 ms on the 2-core VM), and so
+    would a zero-filled `bytearray`; with numpy's copy into uninitialised memory the longest
+    wait is ~8 ms (bench/bench_checkpoint_gil.py).
     """
     parts = checkpoint_parts(snapshot)
     blob = np.empty(sum(len(part) for part in parts), dtype=np.uint8)

@@ -97,6 +97,8 @@ def safetensors_header(
     start = 0
     for key, dtype, shape, size in tensors:
         name = _DTYPE_NAMES.get(dtype)
+        if key == "__metadata__":
+            raise ValueError("a tensor cannot be named __metadata__ in safetensors")
         if name is None:
             raise TypeError(f"safetensors cannot hold {dtype} tensors")
         dims = ",".join(str(int(dim)) for dim in shape)
