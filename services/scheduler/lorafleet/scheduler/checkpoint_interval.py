@@ -33,7 +33,7 @@ from typing import Generic, TypeVar
 
 from lorafleet.core.spec import JobSpec
 from lorafleet.ledger.ledger import Interruptions, Ledger
-from lorafleet.scheduler.job_handler import Pace
+from lorafleet.scheduler.job_handler import Pace, pace_shape
 
 # Distinct GPU classes and shapes remembered at once: the GPU class is the worker's word, so a
 # worker inventing names must not grow the scheduler's memory.
@@ -140,13 +140,7 @@ class CheckpointIntervals:
             lambda: self._ledger.interruptions_for_gpu(gpu_model, window_s=s.interruption_window_s),
         )
         mtbi_s = mean_time_between_interruptions(observed, s.interruption_prior_s)
-        shape = (
-            spec.resolution,
-            spec.train_batch_size,
-            spec.gradient_accumulation_steps,
-            spec.train_text_encoder,
-        )
-        pace = await self._paces.get(shape, lambda: self._pace(spec))
+        pace = await self._paces.get(pace_shape(spec), lambda: self._pace(spec))
         cost_s = reported_cost_s if reported_cost_s else s.cost_prior_s
         return CheckpointInterval(
             steps=young_daly_steps(

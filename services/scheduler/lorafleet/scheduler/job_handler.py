@@ -58,6 +58,17 @@ class Pace:
     measured: bool
 
 
+def pace_shape(spec: JobSpec) -> tuple[int, int, int, bool]:
+    """What the pace of a spec's jobs depends on: resolution, batch size, gradient
+    accumulation steps, text-encoder training (`JobHandler.spec_pace`; a key for its figures)."""
+    return (
+        spec.resolution,
+        spec.train_batch_size,
+        spec.gradient_accumulation_steps,
+        spec.train_text_encoder,
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Estimate:
     """Expected time and cost of a job from the fleet's measured pace on jobs of its shape
@@ -206,12 +217,13 @@ class JobHandler:
         return Pace(seconds_per_step=prior, machines=measured.machines, measured=False)
 
     async def spec_pace(self, spec: JobSpec) -> Pace:
-        """`pace` of the spec's shape."""
+        """`pace` of the spec's shape (`pace_shape`)."""
+        resolution, batch_size, accumulation, train_text_encoder = pace_shape(spec)
         return await self.pace(
-            resolution=spec.resolution,
-            batch_size=spec.train_batch_size,
-            gradient_accumulation_steps=spec.gradient_accumulation_steps,
-            train_text_encoder=spec.train_text_encoder,
+            resolution=resolution,
+            batch_size=batch_size,
+            gradient_accumulation_steps=accumulation,
+            train_text_encoder=train_text_encoder,
         )
 
     async def estimate(self, spec: JobSpec, *, api_key_id: str | None) -> Estimate:
