@@ -20,8 +20,9 @@ responses from storage.
 
 With `--mtbi-s M` the worker kills are memoryless instead (all SIGKILLs): each lease is killed
 after an exponentially distributed time of mean M seconds from when it is first seen running,
-drawn per (job's place in the queue, epoch) from the seed, so two runs with the same seed draw
-the same kills. That is the interruption model the Young-Daly rule assumes.
+drawn per (job's place in the queue, kills done to it) from the seed, so in two runs of a seed a
+job's k-th kill comes the same time into its lease. That is the interruption model the
+Young-Daly rule assumes.
 
 `--compare-intervals` runs the fleet twice in one invocation, the same seed and memoryless
 kills, checkpointing every 100 steps and then `auto`, at a time scale where the two differ as on
