@@ -108,3 +108,13 @@ async def test_tls_switch(database_url: str, tmp_path: Path) -> None:
                     health_pb2.HealthCheckRequest(), timeout=5
                 )
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_the_database_pool_size_bounds_the_schedulers_connections(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Each replica holds at most this many connections: replicas x it must stay under the
+    server's max_connections."""
+    config = scheduler_config(database_url, tmp_path / "data", database_pool_size=3)
+    async with Scheduler(config) as scheduler:
+        assert scheduler.ledger._pool.get_max_size() == 3

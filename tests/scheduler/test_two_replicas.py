@@ -50,6 +50,10 @@ async def replica(database_url: str, data_dir: Path) -> AsyncIterator[int]:
         DATABASE_URL=database_url,
         LORAFLEET_WORKER_TOKEN=TOKEN,
         LORAFLEET_LEASE_TTL_S="2",
+        # Two replicas and the test's own pool share the test Postgres with the rest of the
+        # suite (and on a busy machine another suite): the default 20 each took it to its
+        # 100-connection limit.
+        LORAFLEET_DATABASE_POOL_SIZE="8",
         LORAFLEET_LOG_LEVEL="WARNING",
     )
     proc = await asyncio.create_subprocess_exec(
@@ -154,7 +158,7 @@ async def test_two_replicas_fifty_workers_never_grant_twice(
     database_url: str, tmp_path: Path
 ) -> None:
     data_dir = tmp_path / "shared"
-    ledger = await Ledger.connect(database_url)
+    ledger = await Ledger.connect(database_url, max_size=4)  # the test's own reads
     # Both replicas serve the one objects directory with the one secret: shared storage.
     data_dir.mkdir()
     (data_dir / "storage-secret").write_text("shared-secret-for-both-replicas-0123456789\n")

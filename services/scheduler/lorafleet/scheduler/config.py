@@ -40,6 +40,13 @@ class SchedulerConfig(ServiceSettings):
         validation_alias=AliasChoices("DATABASE_URL", "LORAFLEET_DATABASE_URL"),
         description="Postgres URL; empty: an embedded Postgres in the data directory",
     )
+    database_pool_size: int = Field(
+        20,
+        ge=2,
+        le=1000,
+        description="most connections this scheduler holds to Postgres (each replica its own:"
+        " keep replicas x this under the server's max_connections)",
+    )
     data_dir: Path = Field(
         DEFAULT_DATA_DIR, description="embedded Postgres, local objects and generated secrets"
     )

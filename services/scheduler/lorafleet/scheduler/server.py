@@ -161,6 +161,7 @@ class Scheduler(AsyncLifecycle):
         self.identity_secret = read_or_create_secret(cfg.data_dir / "identity-secret")
         self._ledger = await Ledger.connect(
             self.database_url,
+            max_size=cfg.database_pool_size,
             quarantine=Quarantine(
                 threshold=cfg.quarantine_fault_threshold,
                 window_s=cfg.quarantine_window_s,
