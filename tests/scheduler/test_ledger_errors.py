@@ -22,6 +22,7 @@ import pytest
 from lorafleet.core.errors import LedgerUnavailable, LorafleetError
 from lorafleet.ledger import ledger as ledger_module
 from lorafleet.ledger.ledger import Ledger, LedgerError, translate_error
+from tests.conftest import with_database
 from tests.scheduler.test_ledger import new_job
 from tests.support.fleet import Fleet
 
@@ -160,7 +161,9 @@ async def test_connecting_to_a_closed_port_is_unavailable(closed_port: int) -> N
 
 
 async def test_connecting_to_a_missing_database_is_not_retryable(database_url: str) -> None:
-    missing = database_url.rsplit("/", 1)[0] + f"/no_such_db_{uuid.uuid4().hex[:8]}"
+    # The database name swapped through the URL's path only: the embedded server's URL names
+    # its socket folder in the query (`?host=/tmp/...`), which a split on "/" would cut.
+    missing = with_database(database_url, f"no_such_db_{uuid.uuid4().hex[:8]}")
     with pytest.raises(LedgerError) as caught:
         await Ledger.connect(missing, min_size=1, max_size=1)
     assert caught.value.sqlstate == "3D000"

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import aiohttp
 import grpc
@@ -133,8 +133,10 @@ class CuttableProxy:
     """A TCP proxy to Postgres that the test can cut (every connection dropped, new ones
     refused) and restore: the ledger becomes unreachable as in a network partition."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, *, socket_path: str | None = None) -> None:
         self._target = (host, port)
+        # The embedded server listens on a Unix socket only (`?host=<folder>` in its URL).
+        self._socket_path = socket_path
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -160,7 +162,10 @@ class CuttableProxy:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(*self._target)
+        if self._socket_path is not None:
+            up_reader, up_writer = await asyncio.open_unix_connection(self._socket_path)
+        else:
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
         self._writers.update((writer, up_writer))
 
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
@@ -180,14 +185,22 @@ class CuttableProxy:
 
 @contextlib.asynccontextmanager
 async def proxied(database_url: str) -> AsyncIterator[tuple[CuttableProxy, str]]:
+    """A proxy in front of the test's Postgres and a URL through it. The server may be a TCP one
+    (`host:port`) or the embedded one on a Unix socket (`?host=/folder`, the port naming the
+    socket file): either way the URL handed out is loopback TCP through the proxy."""
     parts = urlsplit(database_url)
-    proxy = CuttableProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    query = parse_qs(parts.query)
+    socket_dir = next((h for h in query.pop("host", []) if h.startswith("/")), None)
+    port = parts.port or 5432
+    socket_path = f"{socket_dir}/.s.PGSQL.{port}" if socket_dir is not None else None
+    proxy = CuttableProxy(parts.hostname or "127.0.0.1", port, socket_path=socket_path)
     await proxy.start()
     netloc = (
         f"{parts.username}@127.0.0.1:{proxy.port}" if parts.username else f"127.0.0.1:{proxy.port}"
     )
+    rest = urlencode(query, doseq=True)
     try:
-        yield proxy, urlunsplit(parts._replace(netloc=netloc))
+        yield proxy, urlunsplit(parts._replace(netloc=netloc, query=rest))
     finally:
         await proxy.close()
 
