@@ -886,6 +886,30 @@ class SamplesStored(_message.Message):
 Global___SamplesStored: _TypeAlias = SamplesStored  # noqa: Y015
 
 @_typing.final
+class Ping(_message.Message):
+    """Asks the scheduler for a Pong carrying the same nonce. A worker that gets no answer within its
+    silence bound takes the path or the replica as gone (a frozen replica's kernel, or a
+    middlebox, can keep the TCP connection and even HTTP/2 keepalive answering) and reconnects.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NONCE_FIELD_NUMBER: _builtins.int
+    nonce: _builtins.int
+    def __init__(
+        self,
+        *,
+        nonce: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nonce", b"nonce"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Ping: _TypeAlias = Ping  # noqa: Y015
+
+@_typing.final
 class ConnectRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -900,6 +924,7 @@ class ConnectRequest(_message.Message):
     NOTICE_FIELD_NUMBER: _builtins.int
     SAMPLES_STORED_FIELD_NUMBER: _builtins.int
     CLASS_IMAGES_COMMITTED_FIELD_NUMBER: _builtins.int
+    PING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello: ...
     @_builtins.property
@@ -922,6 +947,8 @@ class ConnectRequest(_message.Message):
     def samples_stored(self) -> Global___SamplesStored: ...
     @_builtins.property
     def class_images_committed(self) -> Global___ClassImagesCommitted: ...
+    @_builtins.property
+    def ping(self) -> Global___Ping: ...
     def __init__(
         self,
         *,
@@ -936,12 +963,13 @@ class ConnectRequest(_message.Message):
         notice: Global___Notice | None = ...,
         samples_stored: Global___SamplesStored | None = ...,
         class_images_committed: Global___ClassImagesCommitted | None = ...,
+        ping: Global___Ping | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint_committed", b"checkpoint_committed", "class_images_committed", b"class_images_committed", "draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "job_failed", b"job_failed", "job_succeeded", b"job_succeeded", "message", b"message", "notice", b"notice", "ready", b"ready", "samples_stored", b"samples_stored", "urls_requested", b"urls_requested"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint_committed", b"checkpoint_committed", "class_images_committed", b"class_images_committed", "draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "job_failed", b"job_failed", "job_succeeded", b"job_succeeded", "message", b"message", "notice", b"notice", "ping", b"ping", "ready", b"ready", "samples_stored", b"samples_stored", "urls_requested", b"urls_requested"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_committed", b"checkpoint_committed", "class_images_committed", b"class_images_committed", "draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "job_failed", b"job_failed", "job_succeeded", b"job_succeeded", "message", b"message", "notice", b"notice", "ready", b"ready", "samples_stored", b"samples_stored", "urls_requested", b"urls_requested"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_committed", b"checkpoint_committed", "class_images_committed", b"class_images_committed", "draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "job_failed", b"job_failed", "job_succeeded", b"job_succeeded", "message", b"message", "notice", b"notice", "ping", b"ping", "ready", b"ready", "samples_stored", b"samples_stored", "urls_requested", b"urls_requested"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "ready", "heartbeat", "urls_requested", "checkpoint_committed", "job_succeeded", "job_failed", "draining", "notice", "samples_stored", "class_images_committed"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "ready", "heartbeat", "urls_requested", "checkpoint_committed", "job_succeeded", "job_failed", "draining", "notice", "samples_stored", "class_images_committed", "ping"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
@@ -1130,11 +1158,16 @@ class Welcome(_message.Message):
     LEASE_TTL_S_FIELD_NUMBER: _builtins.int
     RESUMED_LEASE_FIELD_NUMBER: _builtins.int
     SESSION_TOKEN_FIELD_NUMBER: _builtins.int
+    ANSWERS_PING_FIELD_NUMBER: _builtins.int
     scheduler_id: _builtins.str
     heartbeat_interval_s: _builtins.float
     lease_ttl_s: _builtins.float
     session_token: _builtins.str
     """Present it as Hello.session_token when this machine reconnects."""
+    answers_ping: _builtins.bool
+    """The scheduler answers Ping with Pong on this stream: a worker may hold it to that. Unset
+    (an older scheduler): the worker relies on its stream and keepalive alone.
+    """
     @_builtins.property
     def resumed_lease(self) -> Global___Lease:
         """Set when the Hello's held_lease was still live: keep training it."""
@@ -1147,10 +1180,11 @@ class Welcome(_message.Message):
         lease_ttl_s: _builtins.float = ...,
         resumed_lease: Global___Lease | None = ...,
         session_token: _builtins.str = ...,
+        answers_ping: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["resumed_lease", b"resumed_lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s", "lease_ttl_s", b"lease_ttl_s", "resumed_lease", b"resumed_lease", "scheduler_id", b"scheduler_id", "session_token", b"session_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers_ping", b"answers_ping", "heartbeat_interval_s", b"heartbeat_interval_s", "lease_ttl_s", b"lease_ttl_s", "resumed_lease", b"resumed_lease", "scheduler_id", b"scheduler_id", "session_token", b"session_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1288,6 +1322,27 @@ class Shutdown(_message.Message):
 Global___Shutdown: _TypeAlias = Shutdown  # noqa: Y015
 
 @_typing.final
+class Pong(_message.Message):
+    """The answer to a Ping, sent as soon as the scheduler reads it (no ledger round trip)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NONCE_FIELD_NUMBER: _builtins.int
+    nonce: _builtins.int
+    def __init__(
+        self,
+        *,
+        nonce: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nonce", b"nonce"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Pong: _TypeAlias = Pong  # noqa: Y015
+
+@_typing.final
 class ConnectResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1298,6 +1353,7 @@ class ConnectResponse(_message.Message):
     REJECTED_FIELD_NUMBER: _builtins.int
     SHUTDOWN_FIELD_NUMBER: _builtins.int
     SAMPLE_TASK_GRANTED_FIELD_NUMBER: _builtins.int
+    PONG_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
@@ -1312,6 +1368,8 @@ class ConnectResponse(_message.Message):
     def shutdown(self) -> Global___Shutdown: ...
     @_builtins.property
     def sample_task_granted(self) -> Global___SampleTaskGranted: ...
+    @_builtins.property
+    def pong(self) -> Global___Pong: ...
     def __init__(
         self,
         *,
@@ -1322,12 +1380,13 @@ class ConnectResponse(_message.Message):
         rejected: Global___Rejected | None = ...,
         shutdown: Global___Shutdown | None = ...,
         sample_task_granted: Global___SampleTaskGranted | None = ...,
+        pong: Global___Pong | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_granted", b"lease_granted", "lease_revoked", b"lease_revoked", "message", b"message", "rejected", b"rejected", "sample_task_granted", b"sample_task_granted", "shutdown", b"shutdown", "urls_renewed", b"urls_renewed", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_granted", b"lease_granted", "lease_revoked", b"lease_revoked", "message", b"message", "pong", b"pong", "rejected", b"rejected", "sample_task_granted", b"sample_task_granted", "shutdown", b"shutdown", "urls_renewed", b"urls_renewed", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_granted", b"lease_granted", "lease_revoked", b"lease_revoked", "message", b"message", "rejected", b"rejected", "sample_task_granted", b"sample_task_granted", "shutdown", b"shutdown", "urls_renewed", b"urls_renewed", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_granted", b"lease_granted", "lease_revoked", b"lease_revoked", "message", b"message", "pong", b"pong", "rejected", b"rejected", "sample_task_granted", b"sample_task_granted", "shutdown", b"shutdown", "urls_renewed", b"urls_renewed", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["welcome", "lease_granted", "lease_revoked", "urls_renewed", "rejected", "shutdown", "sample_task_granted"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["welcome", "lease_granted", "lease_revoked", "urls_renewed", "rejected", "shutdown", "sample_task_granted", "pong"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
