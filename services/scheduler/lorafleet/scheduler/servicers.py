@@ -361,7 +361,12 @@ class WorkerServicer(fgrpc.WorkerServiceServicer):
             )
         handler = self._handler
         kind = request.WhichOneof("message")
-        if kind == "ready":
+        if kind == "ping":
+            # Answered here, in the stream's order: a Pong says this replica is reading and
+            # acting on this worker's messages, which a frozen process or a silent path cannot
+            # fake (TCP and HTTP/2 keepalive can be answered by a kernel or a middlebox).
+            session.send(fpb.ConnectResponse(pong=fpb.Pong(nonce=request.ping.nonce)))
+        elif kind == "ready":
             await handler.ready(session, ready_from_proto(request.ready))
         elif kind == "heartbeat":
             await handler.heartbeat(session, heartbeat_from_proto(request.heartbeat))

@@ -181,6 +181,8 @@ class WorkerHandler:
             heartbeat_interval_s=self._heartbeat_interval_s,
             lease_ttl_s=self._lease_ttl_s,
             session_token=token,
+            # servicers.WorkerServicer answers Ping on every stream (issue 31).
+            answers_ping=True,
         )
         resumed: Job | None = None
         if hello.held_lease is not None:
