@@ -6,6 +6,7 @@ import argparse
 
 from lorafleet.cli.commands import add_spec_flags, spec_from_args
 from lorafleet.client.api import build_spec
+from lorafleet.core.errors import InvalidArgument
 from lorafleet.core.serde import spec_from_proto
 
 
@@ -92,3 +93,25 @@ def test_checkpointing_steps_takes_auto_or_a_number() -> None:
         )
     assert "--checkpointing-steps N|auto" in parser.format_help()
     assert "(default: auto)" in " ".join(parser.format_help().split())
+
+
+def test_a_spec_file_says_auto_as_the_flag_does() -> None:
+    """`checkpointing_steps: auto` in a --spec or --batch file (a mapping) is the flag's 0,
+    not "'str' object cannot be interpreted as an integer"; another word is still refused."""
+    document = {
+        "instance_prompt": "a photo of sks dog",
+        "instance_data_prefix": "rex",
+        "max_train_steps": 50,
+        "checkpointing_steps": "auto",
+    }
+    assert spec_from_proto(build_spec(document)).checkpointing_steps == 0
+    parser = _parser()
+    args = parser.parse_args(["--max-train-steps=60"])
+    merged = spec_from_args(args, document)  # --spec FILE with a flag over it
+    assert spec_from_proto(build_spec(merged)).checkpointing_steps == 0
+    try:
+        build_spec({**document, "checkpointing_steps": "often"})
+    except InvalidArgument as exc:
+        assert exc.field == "checkpointing_steps"
+    else:
+        raise AssertionError("a word other than auto was taken")

@@ -56,7 +56,7 @@ from lorafleet.core.serde import (
     spec_from_proto,
     spec_to_proto,
 )
-from lorafleet.core.spec import JobSpec
+from lorafleet.core.spec import SPEC_FIELD, JobSpec
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 
@@ -159,6 +159,11 @@ def build_spec(spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any) -
             except (TypeError, ValueError) as exc:
                 raise InvalidArgument(name, str(exc)) from None
         else:
+            declared = SPEC_FIELD.get(name)
+            if declared is not None and declared.zero and value == declared.zero:
+                # The word a field's 0 goes by ("checkpointing_steps: auto"), as the CLI's flag
+                # takes it: a --spec or --batch file says it the same way.
+                value = 0
             try:
                 setattr(msg, name, value)
             except (TypeError, ValueError) as exc:
@@ -359,8 +364,10 @@ class AsyncClient(AsyncLifecycle):
 
     async def upload_dir(self, directory: str | Path, *, prefix: str) -> builtins.list[str]:
         """Uploads the images (and `.txt` captions beside them) of a local folder under `prefix`.
-        Every image is decoded first: a folder that is missing, or holds a file that is not an
-        image, is refused (`InvalidArgument` naming it) before anything is uploaded."""
+        Every image is decoded first: a folder that is missing or holds no image, or an image
+        file (by its suffix) that does not decode, is refused (`InvalidArgument` naming it)
+        before anything is uploaded. Other files (a `notes.pdf`) are skipped, never uploaded:
+        `read_folder(directory, skipped=names)` says which, as `lorafleet submit` prints."""
         files = await asyncio.to_thread(read_folder, directory)
         return await self.upload_files(files, prefix=prefix)
 
