@@ -1,4 +1,5 @@
-"""The worker stream contract (DESIGN.md) driven by scripted workers over real gRPC."""
+"""The worker stream contract (docs/DESIGN.md, "The job and its lease") driven by scripted
+workers over real gRPC."""
 
 from __future__ import annotations
 

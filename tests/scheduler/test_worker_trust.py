@@ -1,5 +1,5 @@
 """Workers are strangers' machines: a hostile worker holding the worker token can touch only the
-lease it holds (DESIGN.md, "Trust"). Each test is an attack found by an audit from outside,
+lease it holds (docs/DESIGN.md, "Trust"). Each test is an attack found by an audit from outside,
 scripted over a real stream against a real scheduler and Postgres."""
 
 from __future__ import annotations

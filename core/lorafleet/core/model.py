@@ -245,7 +245,8 @@ CHECKPOINT_DIGEST_BYTES = 32
 
 
 def checkpoint_key(job_id: str, step: int, epoch: int) -> str:
-    """DESIGN.md: `jobs/<job_id>/checkpoints/<step>-e<epoch>`: two epochs never collide."""
+    """`jobs/<job_id>/checkpoints/<step>-e<epoch>`: two epochs never collide (docs/DESIGN.md,
+    "Checkpoints")."""
     return f"jobs/{job_id}/checkpoints/{step}-e{epoch}"
 
 

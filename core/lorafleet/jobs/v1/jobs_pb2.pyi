@@ -190,7 +190,7 @@ class _FailureClassEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FailureC
     """A bug in lorafleet: counts toward max_failures, bans nobody."""
 
 class FailureClass(_FailureClass, metaclass=_FailureClassEnumTypeWrapper):
-    """Who is to blame for a failed attempt (DESIGN.md, "failures are classed")."""
+    """Who is to blame for a failed attempt (docs/DESIGN.md, "Failure classes")."""
 
 FAILURE_CLASS_UNSPECIFIED: FailureClass.ValueType  # 0
 FAILURE_CLASS_NODE: FailureClass.ValueType  # 1

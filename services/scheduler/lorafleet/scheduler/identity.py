@@ -2,7 +2,7 @@
 
 The worker token only lets a process join the fleet: every worker holds it, so a machine id in a
 Hello is a claim. Where the provider signs an identity, the Hello carries that proof and the
-scheduler takes the machine id from it (DESIGN.md, "Trust"):
+scheduler takes the machine id from it (docs/DESIGN.md, "Identities"):
 
 * **SaladCloud**: the container instance's identity token (IMDS `GET /v1/token`), a JWT signed
   with SaladCloud's workload JWKS. Its claims name `salad_machine_id` and

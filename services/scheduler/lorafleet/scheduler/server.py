@@ -405,7 +405,7 @@ class Scheduler(AsyncLifecycle):
                     port=cfg.storage.port,
                     public_base_url=cfg.storage.public_base_url,
                 ),
-                # A lease's upload URLs die with it (DESIGN.md, "Trust").
+                # A lease's upload URLs die with it (docs/DESIGN.md, "URLs and stored objects").
                 lease_is_live=self.ledger.lease_is_live,
             )
         return S3ObjectStore(cfg.storage)

@@ -131,7 +131,7 @@ def peer_source(peer: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class GateBounds:
-    """What one token holder may cost this replica across all its streams (DESIGN.md, "Trust"):
+    """What one token holder may cost this replica across all its streams (docs/DESIGN.md, "Trust"):
     the stream bounds below hold per stream, and a reconnect loop opens a new stream each time.
     0 for a rate: no bound."""
 
@@ -248,7 +248,7 @@ class StreamGate:
 
 @dataclass(frozen=True, kw_only=True)
 class StreamBounds:
-    """What one worker stream may cost this replica (DESIGN.md, "Trust": bounded buffers and
+    """What one worker stream may cost this replica (docs/DESIGN.md, "Trust": bounded buffers and
     rates on every stream)."""
 
     # Replies waiting for a worker that does not read them; past this it is disconnected.

@@ -581,7 +581,7 @@ class WorkerHandler:
         self, session: WorkerSession, ref: LeaseRef, key: str, size_bytes: int, sha256: str
     ) -> bool:
         """The ledger records an object only once the store holds exactly what was announced
-        (DESIGN.md: "Stored bytes are write-once"); else the message is refused."""
+        (docs/DESIGN.md, "URLs and stored objects"); else the message is refused."""
         if await self._storage.verify(key, size_bytes=size_bytes, sha256=sha256):
             return True
         log.warning(

@@ -1,8 +1,8 @@
 """The proof of which machine this worker runs on, sent in every Hello.
 
 The scheduler takes a machine's id from what the provider signs, not from what a worker says
-(DESIGN.md, "Trust"; the scheduler's identity module verifies). Fetched anew for every stream:
-SaladCloud's tokens are short-lived.
+(docs/DESIGN.md, "Identities"; the scheduler's identity module verifies). Fetched anew for
+every stream: SaladCloud's tokens are short-lived.
 
 * `salad`: the container instance's identity token, from SaladCloud's instance metadata service
   through the official `salad-cloud-imds-sdk` (`GET /v1/token`).

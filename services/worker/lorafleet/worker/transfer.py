@@ -2,7 +2,7 @@
 
 The worker holds no storage credentials: the scheduler hands it presigned S3 URLs or the local
 backend's signed URLs, and both are plain HTTP GET and PUT. Nothing here touches local disk
-(DESIGN.md: no checkpoint byte ever does).
+(no checkpoint byte ever does: docs/DESIGN.md, "Checkpoints").
 
 Failures that may pass (connection errors, timeouts, truncated bodies, HTTP 5xx, 408 and 429)
 are retried with `lorafleet.core.retry.backoff_delay` (exponential, full jitter), within

@@ -788,7 +788,7 @@ FROM webhook_deliveries WHERE job_id = $1 ORDER BY delivery_id;
 SELECT extract(epoch FROM min(next_attempt_at) - now()) FROM webhook_deliveries
 WHERE delivered_at IS NULL AND gave_up_at IS NULL;
 
--- The scaler (DESIGN.md, "The scaler's view") -----------------------------------------------
+-- The scaler (docs/DESIGN.md, "The scaler's view") ------------------------------------------
 
 -- name: drop_lease
 -- The scaler takes job $2 away from machine $1 (a slow node): the lease ends, the job is

@@ -10,7 +10,7 @@
 --     python -m lorafleet.scheduler.database catalog postgresql://...
 -- The migration log (schema_migrations) is not part of the schema; migrate() creates it.
 
--- States and leases follow DESIGN.md ("The job and its lease").
+-- States and leases follow docs/DESIGN.md, "The job and its lease".
 
 CREATE TABLE api_keys (
     key_id        text PRIMARY KEY,

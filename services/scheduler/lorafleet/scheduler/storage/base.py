@@ -1,10 +1,10 @@
 """What every object-storage backend offers the scheduler, and the key rules they share.
 
 The scheduler is the only process holding storage credentials. Workers get short-lived signed
-URLs for exactly the keys of their job (DESIGN.md, "Checkpoints"); everything server-side
-(listing, deleting, small reads and writes) goes through an `ObjectStore`.
+URLs for exactly the keys of their job (docs/DESIGN.md, "URLs and stored objects"); everything
+server-side (listing, deleting, small reads and writes) goes through an `ObjectStore`.
 
-Workers are strangers' machines (DESIGN.md, "Trust"), so what a PUT URL allows is narrow:
+Workers are strangers' machines (docs/DESIGN.md, "Trust"), so what a PUT URL allows is narrow:
 
 * Write-once: a PUT URL (unless signed with `write_once=False`) only creates; a PUT to a key that
   already holds an object is refused (HTTP 412) and nothing is replaced. The local backend
