@@ -53,6 +53,44 @@ async def granted_job(worker: ScriptedWorker, ready: fpb.Ready) -> str:
     return granted.lease.job_id
 
 
+async def granted_before(
+    fleet: Fleet, database_url: str, machine_id: str, *shapes: dict[str, Any]
+) -> None:
+    """The scheduler handed `machine_id` a job of each shape earlier (a finished job and its
+    lease in the ledger): warm dispatch believes a worker's warm state only for keys of jobs
+    the scheduler itself granted that machine."""
+    ledger = fleet.scheduler.ledger
+    for overrides in shapes:
+        (job,) = await ledger.insert_jobs(
+            "someone-earlier",
+            [
+                NewJob(
+                    job_id=str(uuid.uuid4()),
+                    spec=spec_from_proto(spec(**overrides)),
+                    idempotency_key="",
+                    traceparent="",
+                )
+            ],
+        )
+        conn = await asyncpg.connect(database_url)
+        try:
+            await conn.execute(
+                "UPDATE jobs SET state = 'SUCCEEDED', epoch = 1, finished_at = now(),"
+                " created_at = created_at - interval '1 day' WHERE job_id = $1::uuid",
+                job.job_id,
+            )
+            await conn.execute(
+                "INSERT INTO leases (lease_id, job_id, epoch, machine_id, granted_at, ended_at,"
+                " end_reason) VALUES ($1, $2::uuid, 1, $3, now() - interval '1 hour', now(),"
+                " 'succeeded')",
+                uuid.uuid4(),
+                job.job_id,
+                machine_id,
+            )
+        finally:
+            await conn.close()
+
+
 async def backdate(database_url: str, job_id: str, seconds: float) -> None:
     """The job was submitted `seconds` ago: how a test stands in for waiting in the queue."""
     conn = await asyncpg.connect(database_url)
@@ -69,7 +107,11 @@ async def backdate(database_url: str, job_id: str, seconds: float) -> None:
 
 
 @pytest.mark.parametrize("scheduler_overrides", [{"warm_dispatch_bound_s": 600.0}])
-async def test_a_worker_warm_for_shape_b_gets_the_b_jobs_first(fleet: Fleet) -> None:
+async def test_a_worker_warm_for_shape_b_gets_the_b_jobs_first(
+    fleet: Fleet, database_url: str
+) -> None:
+    await granted_before(fleet, database_url, "warm-b1", SHAPE_B)
+    await granted_before(fleet, database_url, "warm-b2", SHAPE_B)
     a1 = await fleet.alice.submit(**SHAPE_A)
     b1 = await fleet.alice.submit(**SHAPE_B)
     a2 = await fleet.alice.submit(**SHAPE_A)
@@ -91,8 +133,10 @@ async def test_a_worker_warm_for_shape_b_gets_the_b_jobs_first(fleet: Fleet) -> 
 
 @pytest.mark.parametrize("scheduler_overrides", [{"warm_dispatch_bound_s": 600.0}])
 async def test_the_compiled_shape_wins_over_the_base_model_which_wins_over_age(
-    fleet: Fleet,
+    fleet: Fleet, database_url: str
 ) -> None:
+    await granted_before(fleet, database_url, "m1", OTHER_MODEL, SHAPE_B)
+    await granted_before(fleet, database_url, "m2", OTHER_MODEL)
     a1 = await fleet.alice.submit(**SHAPE_A)
     other = await fleet.alice.submit(**OTHER_MODEL)
     b1 = await fleet.alice.submit(**SHAPE_B)
@@ -112,12 +156,15 @@ async def test_the_compiled_shape_wins_over_the_base_model_which_wins_over_age(
 
 @pytest.mark.parametrize("scheduler_overrides", [{"warm_dispatch_bound_s": 600.0}])
 async def test_a_parked_adapter_shape_comes_after_the_compiled_shape_before_the_base_model(
-    fleet: Fleet,
+    fleet: Fleet, database_url: str
 ) -> None:
     """Shape C differs from A only in its adapters (rank 8): a worker whose resident model
     holds rank-8 adapters parked is offered C before the older A; one that also holds A's
     step compiled is offered A."""
     shape_c: dict[str, Any] = dict(SHAPE_A, lora_rank=8)
+    await granted_before(fleet, database_url, "m1", shape_c)
+    await granted_before(fleet, database_url, "m2", SHAPE_A, shape_c)
+    await granted_before(fleet, database_url, "m3", SHAPE_A)
     a1 = await fleet.alice.submit(**SHAPE_A)
     c1 = await fleet.alice.submit(**shape_c)
     a2 = await fleet.alice.submit(**SHAPE_A)
@@ -139,6 +186,8 @@ async def test_a_parked_adapter_shape_comes_after_the_compiled_shape_before_the_
 async def test_a_job_queued_longer_than_the_bound_goes_in_strict_order(
     fleet: Fleet, database_url: str
 ) -> None:
+    for machine in ("m1", "m2", "m3"):
+        await granted_before(fleet, database_url, machine, SHAPE_B)
     a1 = await fleet.alice.submit(**SHAPE_A)
     a2 = await fleet.alice.submit(**SHAPE_A)
     await fleet.alice.submit(**SHAPE_A)
@@ -180,9 +229,10 @@ async def test_priority_wins_over_warmth(fleet: Fleet) -> None:
 async def test_a_worker_lying_about_its_warm_state_only_changes_which_job_it_gets(
     fleet: Fleet, database_url: str
 ) -> None:
-    """It claims shape B (which it never compiled) and keys no job has: it still gets one
+    """It was granted shape B once, and claims B and keys no job has: it still gets one
     claimable job (none it may not hold, no second lease), overdue jobs still go first, and the
     next worker is served as strict order serves it."""
+    await granted_before(fleet, database_url, "liar", SHAPE_B)
     a1 = await fleet.alice.submit(**SHAPE_A)
     big_b = await fleet.alice.submit(**SHAPE_B, min_vram_mb=100_000)
     b1 = await fleet.alice.submit(**SHAPE_B)
@@ -202,11 +252,32 @@ async def test_a_worker_lying_about_its_warm_state_only_changes_which_job_it_get
         # The honest, cold worker: the re-queued job first (it has progress), as strict order.
         assert await granted_job(honest, warm()) == b1.job_id
     await backdate(database_url, a1.job_id, 3600.0)
+    await granted_before(fleet, database_url, "liar2", SHAPE_B)
     async with connect_worker(fleet.channel, fleet.token, "liar2", vram_mb=200_000) as liar2:
         # An overdue job is not passed over for what a worker says it holds.
         assert await granted_job(liar2, warm(shapes=(shape_b,))) == a1.job_id
     still = await fleet.scheduler.ledger.get_job_any_owner(big_b.job_id)
     assert still is not None and still.epoch == 0
+
+
+@pytest.mark.parametrize("scheduler_overrides", [{"warm_dispatch_bound_s": 600.0}])
+async def test_a_worker_cannot_pick_a_tenant_by_naming_its_model(
+    fleet: Fleet, database_url: str
+) -> None:
+    """Bob trains on a model of his own; a worker (even one that ran other jobs before) says
+    it holds Bob's model resident and his step compiled. The scheduler never handed it a job of
+    Bob's, so it is served in strict order: Alice's older job, not Bob's. Before, it was handed
+    Bob's job ahead of older ones: it could pick whose images it got."""
+    bobs: dict[str, Any] = dict(base_model="bob/private-sdxl")
+    await granted_before(fleet, database_url, "picker", SHAPE_A)
+    older = await fleet.alice.submit(**SHAPE_B)
+    bob_job = await fleet.bob.submit(**bobs)
+    bob_resident, bob_shape = keys(**bobs)
+    claim = warm(resident=bob_resident, shapes=(bob_shape,), adapters=(adapter_key(**bobs),))
+    async with connect_worker(fleet.channel, fleet.token, "picker") as picker:
+        assert await granted_job(picker, claim) == older.job_id
+    queued = await fleet.scheduler.ledger.get_job_any_owner(bob_job.job_id)
+    assert queued is not None and queued.epoch == 0
 
 
 @pytest.mark.parametrize(

@@ -193,9 +193,17 @@ SELECT * FROM canceled;
 -- parked, else whose base model it holds, else the oldest. Fairness bound: a job queued for $11 s or longer (jobs.queued_at: since submit, or
 -- since it was last re-queued) is overdue and goes before every job of its class that is not,
 -- oldest first, whatever the worker holds: it waits at most $11 s longer than strict order would
--- have made it wait. What a worker says it holds is unverified; it decides only which of the
--- claimable jobs it gets.
-WITH head AS (
+-- have made it wait. What a worker says it holds is unverified, so it counts only where the
+-- scheduler itself handed this machine a job with that key (`granted_keys`: its last 16
+-- leases, from the ledger): an honest worker holds nothing warm that it was not granted, and a
+-- worker cannot name another tenant's model to be handed that tenant's jobs. What is left to it
+-- is to say it no longer holds something (it gets the oldest job instead).
+WITH granted_keys AS (
+    SELECT gj.resident_key, gj.compiled_shape_key, gj.adapter_shape_key
+    FROM (SELECT l.job_id FROM leases l WHERE l.machine_id = $1
+          ORDER BY l.granted_at DESC LIMIT 16) gl
+    JOIN jobs gj ON gj.job_id = gl.job_id
+), head AS (
     SELECT j.job_id FROM jobs j
     WHERE j.state = 'QUEUED'
       AND j.min_vram_mb <= $2
@@ -223,9 +231,12 @@ WITH head AS (
     WHERE j.state = 'QUEUED'
     ORDER BY (j.epoch > 0) DESC, j.priority DESC,
              CASE WHEN j.queued_at <= now() - make_interval(secs => $11::float8) THEN 0
-                  WHEN j.compiled_shape_key = ANY ($10::text[]) THEN 1
-                  WHEN j.adapter_shape_key = ANY ($12::text[]) THEN 2
-                  WHEN j.resident_key = $9 THEN 3
+                  WHEN j.compiled_shape_key = ANY ($10::text[]) AND j.compiled_shape_key IN
+                       (SELECT g.compiled_shape_key FROM granted_keys g) THEN 1
+                  WHEN j.adapter_shape_key = ANY ($12::text[]) AND j.adapter_shape_key IN
+                       (SELECT g.adapter_shape_key FROM granted_keys g) THEN 2
+                  WHEN j.resident_key = $9 AND j.resident_key IN
+                       (SELECT g.resident_key FROM granted_keys g) THEN 3
                   ELSE 4 END,
              j.created_at, j.job_id
     LIMIT 1
