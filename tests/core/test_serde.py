@@ -92,8 +92,10 @@ def test_every_field_survives_a_round_trip() -> None:
         for f in dataclasses.fields(JobSpec)
         if getattr(spec, f.name) == getattr(defaults, f.name)
     ]
-    # output_format other than diffusers excludes DoRA: its values in specs of their own below.
-    assert same == ["instance_prompt", "instance_data_prefix", "output_format"], (
+    # output_format other than diffusers excludes DoRA: its values in specs of their own below;
+    # the flow-matching families' fields mean nothing for sdxl: in a flux spec below.
+    flow = ["model_family", *_FLOW_FIELDS]
+    assert same == ["instance_prompt", "instance_data_prefix", "output_format", *flow], (
         "the round trip must cover all"
     )
     assert spec_from_proto(spec_to_proto(spec)) == spec
@@ -103,6 +105,40 @@ def test_every_field_survives_a_round_trip() -> None:
     for fmt in ("kohya", "both"):
         other = dataclasses.replace(spec, use_dora=False, output_format=fmt)
         assert spec_from_proto(spec_to_proto(other)) == other
+    flux = dataclasses.replace(
+        spec,
+        snr_gamma=0.0,
+        noise_offset=0.0,
+        model_family="flux",
+        guidance_scale=3.5,
+        weighting_scheme="logit_normal",
+        logit_mean=0.5,
+        logit_std=1.5,
+        max_sequence_length=256,
+        base_quantization="nf4",
+    )
+    assert spec_from_proto(spec_to_proto(flux)) == flux
+    moded = dataclasses.replace(
+        flux,
+        weighting_scheme="mode",
+        logit_mean=0.0,
+        logit_std=1.0,
+        mode_scale=1.0,
+        model_family="flux2",
+        train_text_encoder=False,
+    )
+    assert spec_from_proto(spec_to_proto(moded)) == moded
+
+
+_FLOW_FIELDS = [
+    "guidance_scale",
+    "weighting_scheme",
+    "logit_mean",
+    "logit_std",
+    "mode_scale",
+    "max_sequence_length",
+    "base_quantization",
+]
 
 
 def test_unset_optional_booleans_default_to_true_and_false_survives() -> None:
@@ -253,6 +289,16 @@ def _valid(**changes: Any) -> JobSpec:
 )
 def test_each_declared_bound_is_checked(field: SpecField) -> None:
     """Each numeric field takes its bounds and refuses a step beyond either, naming itself."""
+    # The flow-matching families' fields are refused for sdxl: checked on a flux spec, with the
+    # weighting scheme their parameters belong to.
+    context: dict[str, Any] = {}
+    if field.name in _FLOW_FIELDS:
+        scheme = {"mode_scale": "mode", "logit_mean": "logit_normal", "logit_std": "logit_normal"}
+        context = {
+            "model_family": "flux",
+            "base_model": "/models/flux",
+            "weighting_scheme": scheme.get(field.name, "none"),
+        }
     high = 100 if field.high == "max_train_steps" else field.high
     assert isinstance(high, (int, float))
     step = 1 if field.kind == "int" else max(abs(high) * 1e-3, 1e-9)
@@ -262,8 +308,8 @@ def test_each_declared_bound_is_checked(field: SpecField) -> None:
     for ok in (high, low + step if field.positive else low):
         if field.multiple_of and ok % field.multiple_of:
             continue
-        _valid(**{field.name: value_type(ok)})
+        _valid(**context, **{field.name: value_type(ok)})
     for bad in (high + step, low if field.positive else low - step):
         with pytest.raises(InvalidArgument) as caught:
-            _valid(**{field.name: value_type(bad)})
+            _valid(**context, **{field.name: value_type(bad)})
         assert caught.value.field == field.name

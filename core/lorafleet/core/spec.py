@@ -22,6 +22,7 @@ from dataclasses import MISSING, dataclass
 from typing import Any, Literal, TypeVar, dataclass_transform, get_args, get_origin, overload
 
 from lorafleet.core.errors import InvalidArgument
+from lorafleet.core.families import REFUSED_HUB_IDS, FamilyName, family_for, variant_for
 
 LrSchedulerName = Literal[
     "constant",
@@ -36,6 +37,9 @@ CaptionModeName = Literal["file_else_prompt", "instance_prompt"]
 WebhookEventName = Literal["checkpoint", "succeeded", "failed", "canceled", "samples"]
 OptimizerName = Literal["adamw", "adamw_8bit", "prodigy"]
 OutputFormatName = Literal["diffusers", "kohya", "both"]
+ModelFamilyChoice = Literal["auto", "sdxl", "flux", "flux2"]
+WeightingSchemeName = Literal["none", "sigma_sqrt", "logit_normal", "mode", "cosmap"]
+BaseQuantizationName = Literal["none", "nf4", "fp8"]
 
 DEFAULT_BASE_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
 MAX_TRAIN_STEPS = 100_000
@@ -56,10 +60,12 @@ CHECKPOINTING_AUTO = 0
 
 # Revisions of the spec's field set, a field's `since`. 1: the fields of the first checkpoint
 # format. 2: the optimizer choice and Prodigy, DoRA, LoRA dropout, repeats, aspect-ratio
-# bucketing, output formats and the sample tasks' validation settings. 3: scale_lr.
+# bucketing, output formats and the sample tasks' validation settings. 3: scale_lr. 4: the
+# model families (model_family, guidance_scale, weighting_scheme and its parameters,
+# max_sequence_length, base_quantization).
 # A field that trains and came after revision 1 enters the resume fingerprint only when set
 # away from its default, so that a checkpoint written before it existed still resumes.
-SPEC_REVISION = 3
+SPEC_REVISION = 4
 
 FieldKind = Literal["bool", "int", "float", "text", "choice", "texts", "choices", "map"]
 _T = TypeVar("_T")
@@ -344,8 +350,8 @@ class JobSpec:
     )
     base_model: str = spec_field(
         default=DEFAULT_BASE_MODEL,
-        help="SDXL base model: a hub id, or a local folder (absolute, ./ or ../; the demo's tiny"
-        " CPU model is .lorafleet/demo-model)",
+        help="base model: a hub id, or a local diffusers folder on the workers (an absolute"
+        " path; the demo's tiny CPU model is .lorafleet/demo-model)",
         trains=True,
         max_chars=MAX_MODEL_REF_CHARS,
         required=True,
@@ -485,6 +491,70 @@ class JobSpec:
         trains=True,
         since=3,
     )
+    model_family: ModelFamilyChoice = spec_field(
+        default="auto",
+        help="sdxl, flux (FLUX.1 dev/schnell) or flux2 (FLUX.2 [klein] 4B/9B); auto: the family"
+        " of the public base model named, else sdxl. The worker checks it against the model's"
+        " model_index.json",
+        trains=False,
+        since=4,
+    )
+    guidance_scale: float = spec_field(
+        default=0.0,
+        help="guidance the transformer is trained with where the model embeds it (FLUX.1 dev:"
+        " 3.5, the pipeline's default, when 0); flux and flux2 only",
+        trains=True,
+        since=4,
+        low=0.0,
+        high=50.0,
+    )
+    weighting_scheme: WeightingSchemeName = spec_field(
+        default="none",
+        help="flow matching's timestep sampling and loss weighting (diffusers' SD3 schemes):"
+        " none (uniform), sigma_sqrt, logit_normal, mode or cosmap; flux and flux2 only",
+        trains=True,
+        since=4,
+    )
+    logit_mean: float = spec_field(
+        default=0.0,
+        help="logit_normal: mean of the timestep logits",
+        trains=True,
+        since=4,
+        low=-10.0,
+        high=10.0,
+    )
+    logit_std: float = spec_field(
+        default=1.0,
+        help="logit_normal: standard deviation of the timestep logits",
+        trains=True,
+        since=4,
+        positive=True,
+        high=10.0,
+    )
+    mode_scale: float = spec_field(
+        default=1.29,
+        help="mode: the scale of the mode weighting",
+        trains=True,
+        since=4,
+        low=0.0,
+        high=10.0,
+    )
+    max_sequence_length: int = spec_field(
+        default=0,
+        help="prompt tokens the language-model encoder reads (T5 or Qwen3), 1..512; 0: the"
+        " pipeline's 512; flux and flux2 only",
+        trains=True,
+        since=4,
+        low=0,
+        high=512,
+    )
+    base_quantization: BaseQuantizationName = spec_field(
+        default="none",
+        help="the frozen base's weights: none (the mixed-precision dtype), nf4 (bitsandbytes"
+        " 4-bit, as QLoRA) or fp8 (torchao); quantized bases need a CUDA GPU",
+        trains=True,
+        since=4,
+    )
     # Checked in check_spec, with validation_prompt (at most MAX_SAMPLE_PROMPTS in all).
     validation_prompts: tuple[str, ...] = spec_field(
         default=(),
@@ -551,11 +621,36 @@ class JobSpec:
         return head + tuple(self.validation_prompts)
 
     @property
+    def family(self) -> FamilyName:
+        """The model family the job trains (core/families.py: named, or its known variant's)."""
+        return family_for(self.model_family, self.base_model)
+
+    @property
+    def shape(self) -> JobShape:
+        """What a step's time and memory depend on (docs/DESIGN.md, "Job shape")."""
+        return JobShape(
+            family=self.family,
+            resolution=self.resolution,
+            batch_size=self.train_batch_size,
+            accumulation=self.gradient_accumulation_steps,
+            rank=self.lora_rank,
+            precision=self.mixed_precision,
+            quantization=self.base_quantization,
+            gradient_checkpointing=self.gradient_checkpointing,
+            train_text_encoder=self.train_text_encoder,
+        )
+
+    @property
     def resident_key(self) -> str:
         """What a worker keeps loaded between leases (the frozen base model's components in
-        their precision): a lease with the same key only attaches fresh adapters. Workers name
-        it in Ready (WarmState.resident) and the dispatcher matches it."""
-        return f"{self.base_model}|{self.vae_model}|{self.mixed_precision}"
+        their precision and quantization): a lease with the same key only attaches fresh
+        adapters. Workers name it in Ready (WarmState.resident) and the dispatcher matches it.
+        The family is the model's own, so the base model names it; a quantized base is another
+        set of weights (unquantized keys keep their earlier form)."""
+        key = f"{self.base_model}|{self.vae_model}|{self.mixed_precision}"
+        if self.base_quantization != "none":
+            key += f"|{self.base_quantization}"
+        return key
 
     @property
     def compiled_shape_key(self) -> str:
@@ -605,6 +700,40 @@ class JobSpec:
             if SPEC_FIELD[name].kind in ("texts", "choices"):
                 kwargs[name] = tuple(value)
         return cls(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobShape:
+    """A job's shape: what its step time and memory depend on, defined once. Every figure the
+    fleet keys by shape (paces, estimates, slow-node comparisons, the automatic checkpoint
+    interval) uses `key`; where two nodes' speeds are compared, the node's compile state is
+    compared beside it (docs/DESIGN.md, "Job shape")."""
+
+    family: FamilyName
+    resolution: int
+    batch_size: int
+    accumulation: int
+    rank: int
+    precision: str
+    quantization: str
+    gradient_checkpointing: bool
+    train_text_encoder: bool
+
+    @property
+    def key(self) -> str:
+        return "|".join(
+            (
+                self.family,
+                f"{self.resolution}px",
+                f"b{self.batch_size}",
+                f"a{self.accumulation}",
+                f"r{self.rank}",
+                self.precision,
+                self.quantization,
+                "gc" if self.gradient_checkpointing else "nogc",
+                "te" if self.train_text_encoder else "note",
+            )
+        )
 
 
 _KINDS: dict[Any, FieldKind] = {bool: "bool", int: "int", float: "float", str: "text"}
@@ -717,6 +846,7 @@ def check_spec(spec: JobSpec) -> None:
         raise InvalidArgument(
             "use_8bit_adam", "is an AdamW option; it cannot be combined with optimizer prodigy"
         )
+    _check_family(spec)
     if spec.output_format != "diffusers" and spec.use_dora:
         raise InvalidArgument(
             "output_format", "the kohya format holds no DoRA adapters; use diffusers with use_dora"
@@ -726,6 +856,57 @@ def check_spec(spec: JobSpec) -> None:
         raise InvalidArgument(
             "validation_prompts", f"at most {MAX_SAMPLE_PROMPTS} prompts with validation_prompt"
         )
+
+
+# Fields of the flow-matching families that mean nothing for SDXL's DDPM objective.
+_FLOW_ONLY = (
+    "guidance_scale",
+    "weighting_scheme",
+    "logit_mean",
+    "logit_std",
+    "mode_scale",
+    "max_sequence_length",
+)
+
+
+def _check_family(spec: JobSpec) -> None:
+    """Refuses, naming the field, what means nothing for the job's family (never ignored)."""
+    refused = REFUSED_HUB_IDS.get(spec.base_model.strip().lower())
+    if refused is not None:
+        raise InvalidArgument("base_model", refused)
+    family = spec.family
+    variant = variant_for(spec.base_model)
+    if variant is not None and variant.family != family:
+        raise InvalidArgument(
+            "base_model",
+            f"{spec.base_model!r} is a {variant.family} model; model_family says {family}",
+        )
+    if family == "sdxl":
+        for name in _FLOW_ONLY:
+            if getattr(spec, name) != SPEC_FIELD[name].default:
+                raise InvalidArgument(
+                    name, "applies to the flow-matching families (flux, flux2), not sdxl"
+                )
+        return
+    for name, reason in (
+        ("snr_gamma", "min-SNR weighting is for DDPM objectives; use weighting_scheme"),
+        ("noise_offset", "offset noise is for DDPM objectives"),
+    ):
+        if getattr(spec, name) != SPEC_FIELD[name].default:
+            raise InvalidArgument(name, f"means nothing for the {family} family: {reason}")
+    if family == "flux2" and spec.train_text_encoder:
+        raise InvalidArgument(
+            "train_text_encoder",
+            "FLUX.2 [klein]'s text encoder is a Qwen3 language model that stays frozen;"
+            " lorafleet trains the transformer only",
+        )
+    for name, scheme in (
+        ("logit_mean", "logit_normal"),
+        ("logit_std", "logit_normal"),
+        ("mode_scale", "mode"),
+    ):
+        if getattr(spec, name) != SPEC_FIELD[name].default and spec.weighting_scheme != scheme:
+            raise InvalidArgument(name, f"applies to weighting_scheme {scheme} only")
 
 
 def _check_prompts(field_name: str, prompts: tuple[str, ...]) -> None:

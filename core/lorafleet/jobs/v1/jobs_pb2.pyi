@@ -152,6 +152,85 @@ OUTPUT_FORMAT_BOTH: OutputFormat.ValueType  # 3
 """Both files."""
 Global___OutputFormat: _TypeAlias = OutputFormat  # noqa: Y015
 
+class _ModelFamily:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ModelFamilyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ModelFamily.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MODEL_FAMILY_UNSPECIFIED: _ModelFamily.ValueType  # 0
+    """auto"""
+    MODEL_FAMILY_AUTO: _ModelFamily.ValueType  # 1
+    MODEL_FAMILY_SDXL: _ModelFamily.ValueType  # 2
+    """Stable Diffusion XL (UNet, two CLIP encoders, DDPM objective)."""
+    MODEL_FAMILY_FLUX: _ModelFamily.ValueType  # 3
+    """FLUX.1 dev and schnell (FluxTransformer2DModel, CLIP-L + T5-XXL, flow matching)."""
+    MODEL_FAMILY_FLUX2: _ModelFamily.ValueType  # 4
+    """FLUX.2 [klein] 4B and 9B (Flux2Transformer2DModel, a Qwen3 encoder, flow matching)."""
+
+class ModelFamily(_ModelFamily, metaclass=_ModelFamilyEnumTypeWrapper): ...
+
+MODEL_FAMILY_UNSPECIFIED: ModelFamily.ValueType  # 0
+"""auto"""
+MODEL_FAMILY_AUTO: ModelFamily.ValueType  # 1
+MODEL_FAMILY_SDXL: ModelFamily.ValueType  # 2
+"""Stable Diffusion XL (UNet, two CLIP encoders, DDPM objective)."""
+MODEL_FAMILY_FLUX: ModelFamily.ValueType  # 3
+"""FLUX.1 dev and schnell (FluxTransformer2DModel, CLIP-L + T5-XXL, flow matching)."""
+MODEL_FAMILY_FLUX2: ModelFamily.ValueType  # 4
+"""FLUX.2 [klein] 4B and 9B (Flux2Transformer2DModel, a Qwen3 encoder, flow matching)."""
+Global___ModelFamily: _TypeAlias = ModelFamily  # noqa: Y015
+
+class _WeightingScheme:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WeightingSchemeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WeightingScheme.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WEIGHTING_SCHEME_UNSPECIFIED: _WeightingScheme.ValueType  # 0
+    """none"""
+    WEIGHTING_SCHEME_NONE: _WeightingScheme.ValueType  # 1
+    WEIGHTING_SCHEME_SIGMA_SQRT: _WeightingScheme.ValueType  # 2
+    WEIGHTING_SCHEME_LOGIT_NORMAL: _WeightingScheme.ValueType  # 3
+    WEIGHTING_SCHEME_MODE: _WeightingScheme.ValueType  # 4
+    WEIGHTING_SCHEME_COSMAP: _WeightingScheme.ValueType  # 5
+
+class WeightingScheme(_WeightingScheme, metaclass=_WeightingSchemeEnumTypeWrapper): ...
+
+WEIGHTING_SCHEME_UNSPECIFIED: WeightingScheme.ValueType  # 0
+"""none"""
+WEIGHTING_SCHEME_NONE: WeightingScheme.ValueType  # 1
+WEIGHTING_SCHEME_SIGMA_SQRT: WeightingScheme.ValueType  # 2
+WEIGHTING_SCHEME_LOGIT_NORMAL: WeightingScheme.ValueType  # 3
+WEIGHTING_SCHEME_MODE: WeightingScheme.ValueType  # 4
+WEIGHTING_SCHEME_COSMAP: WeightingScheme.ValueType  # 5
+Global___WeightingScheme: _TypeAlias = WeightingScheme  # noqa: Y015
+
+class _BaseQuantization:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BaseQuantizationEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BaseQuantization.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BASE_QUANTIZATION_UNSPECIFIED: _BaseQuantization.ValueType  # 0
+    """none"""
+    BASE_QUANTIZATION_NONE: _BaseQuantization.ValueType  # 1
+    BASE_QUANTIZATION_NF4: _BaseQuantization.ValueType  # 2
+    """bitsandbytes 4-bit NormalFloat with double quantization, as the QLoRA recipe."""
+    BASE_QUANTIZATION_FP8: _BaseQuantization.ValueType  # 3
+    """torchao float8 weights."""
+
+class BaseQuantization(_BaseQuantization, metaclass=_BaseQuantizationEnumTypeWrapper): ...
+
+BASE_QUANTIZATION_UNSPECIFIED: BaseQuantization.ValueType  # 0
+"""none"""
+BASE_QUANTIZATION_NONE: BaseQuantization.ValueType  # 1
+BASE_QUANTIZATION_NF4: BaseQuantization.ValueType  # 2
+"""bitsandbytes 4-bit NormalFloat with double quantization, as the QLoRA recipe."""
+BASE_QUANTIZATION_FP8: BaseQuantization.ValueType  # 3
+"""torchao float8 weights."""
+Global___BaseQuantization: _TypeAlias = BaseQuantization  # noqa: Y015
+
 class _JobState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -393,6 +472,14 @@ class JobSpec(_message.Message):
     ASPECT_RATIO_BUCKETING_FIELD_NUMBER: _builtins.int
     OUTPUT_FORMAT_FIELD_NUMBER: _builtins.int
     SCALE_LR_FIELD_NUMBER: _builtins.int
+    MODEL_FAMILY_FIELD_NUMBER: _builtins.int
+    GUIDANCE_SCALE_FIELD_NUMBER: _builtins.int
+    WEIGHTING_SCHEME_FIELD_NUMBER: _builtins.int
+    LOGIT_MEAN_FIELD_NUMBER: _builtins.int
+    LOGIT_STD_FIELD_NUMBER: _builtins.int
+    MODE_SCALE_FIELD_NUMBER: _builtins.int
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _builtins.int
+    BASE_QUANTIZATION_FIELD_NUMBER: _builtins.int
     VALIDATION_PROMPTS_FIELD_NUMBER: _builtins.int
     VALIDATION_NEGATIVE_PROMPT_FIELD_NUMBER: _builtins.int
     VALIDATION_GUIDANCE_SCALE_FIELD_NUMBER: _builtins.int
@@ -500,6 +587,24 @@ class JobSpec(_message.Message):
     """Multiply learning_rate by train_batch_size x gradient_accumulation_steps (diffusers'
     --scale_lr); text_encoder_learning_rate is not scaled.
     """
+    model_family: Global___ModelFamily.ValueType
+    """The model family (docs/DESIGN.md, "Model families"); default auto: the family of the public
+    base model named, else sdxl. Workers check it against the model's model_index.json.
+    """
+    guidance_scale: _builtins.float
+    """flux, flux2: the guidance a guidance-distilled transformer is trained with; 0: the
+    pipeline's default (FLUX.1 dev 3.5).
+    """
+    weighting_scheme: Global___WeightingScheme.ValueType
+    """flux, flux2: timestep sampling and loss weighting of flow matching; default none."""
+    logit_mean: _builtins.float
+    """logit_normal's mean (default 0) and standard deviation (default 1); mode's scale (1.29)."""
+    logit_std: _builtins.float
+    mode_scale: _builtins.float
+    max_sequence_length: _builtins.int
+    """flux, flux2: prompt tokens of the T5 or Qwen3 encoder, 1..512; 0: 512."""
+    base_quantization: Global___BaseQuantization.ValueType
+    """The frozen base's weights; default none. nf4 and fp8 need a CUDA GPU."""
     validation_negative_prompt: _builtins.str
     validation_guidance_scale: _builtins.float
     """Classifier-free guidance of validation images; default 5.0."""
@@ -577,15 +682,23 @@ class JobSpec(_message.Message):
         aspect_ratio_bucketing: _builtins.bool = ...,
         output_format: Global___OutputFormat.ValueType = ...,
         scale_lr: _builtins.bool = ...,
+        model_family: Global___ModelFamily.ValueType = ...,
+        guidance_scale: _builtins.float = ...,
+        weighting_scheme: Global___WeightingScheme.ValueType = ...,
+        logit_mean: _builtins.float = ...,
+        logit_std: _builtins.float | None = ...,
+        mode_scale: _builtins.float | None = ...,
+        max_sequence_length: _builtins.int = ...,
+        base_quantization: Global___BaseQuantization.ValueType = ...,
         validation_prompts: _abc.Iterable[_builtins.str] | None = ...,
         validation_negative_prompt: _builtins.str = ...,
         validation_guidance_scale: _builtins.float | None = ...,
         validation_inference_steps: _builtins.int | None = ...,
         num_validation_images: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_adam_weight_decay", b"_adam_weight_decay", "_base_model", b"_base_model", "_checkpointing_steps", b"_checkpointing_steps", "_gradient_accumulation_steps", b"_gradient_accumulation_steps", "_learning_rate", b"_learning_rate", "_lora_alpha", b"_lora_alpha", "_lora_rank", b"_lora_rank", "_lr_num_cycles", b"_lr_num_cycles", "_lr_power", b"_lr_power", "_max_failures", b"_max_failures", "_max_grad_norm", b"_max_grad_norm", "_num_class_images", b"_num_class_images", "_num_validation_images", b"_num_validation_images", "_prior_loss_weight", b"_prior_loss_weight", "_prodigy_d_coef", b"_prodigy_d_coef", "_prodigy_safeguard_warmup", b"_prodigy_safeguard_warmup", "_prodigy_use_bias_correction", b"_prodigy_use_bias_correction", "_repeats", b"_repeats", "_resolution", b"_resolution", "_text_encoder_learning_rate", b"_text_encoder_learning_rate", "_train_batch_size", b"_train_batch_size", "_validation_guidance_scale", b"_validation_guidance_scale", "_validation_inference_steps", b"_validation_inference_steps", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "adam_weight_decay", b"adam_weight_decay", "base_model", b"base_model", "checkpointing_steps", b"checkpointing_steps", "gradient_accumulation_steps", b"gradient_accumulation_steps", "learning_rate", b"learning_rate", "lora_alpha", b"lora_alpha", "lora_rank", b"lora_rank", "lr_num_cycles", b"lr_num_cycles", "lr_power", b"lr_power", "max_failures", b"max_failures", "max_grad_norm", b"max_grad_norm", "num_class_images", b"num_class_images", "num_validation_images", b"num_validation_images", "prior_loss_weight", b"prior_loss_weight", "prodigy_d_coef", b"prodigy_d_coef", "prodigy_safeguard_warmup", b"prodigy_safeguard_warmup", "prodigy_use_bias_correction", b"prodigy_use_bias_correction", "repeats", b"repeats", "resolution", b"resolution", "text_encoder_learning_rate", b"text_encoder_learning_rate", "train_batch_size", b"train_batch_size", "validation_guidance_scale", b"validation_guidance_scale", "validation_inference_steps", b"validation_inference_steps", "webhook", b"webhook"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_adam_weight_decay", b"_adam_weight_decay", "_base_model", b"_base_model", "_checkpointing_steps", b"_checkpointing_steps", "_gradient_accumulation_steps", b"_gradient_accumulation_steps", "_learning_rate", b"_learning_rate", "_logit_std", b"_logit_std", "_lora_alpha", b"_lora_alpha", "_lora_rank", b"_lora_rank", "_lr_num_cycles", b"_lr_num_cycles", "_lr_power", b"_lr_power", "_max_failures", b"_max_failures", "_max_grad_norm", b"_max_grad_norm", "_mode_scale", b"_mode_scale", "_num_class_images", b"_num_class_images", "_num_validation_images", b"_num_validation_images", "_prior_loss_weight", b"_prior_loss_weight", "_prodigy_d_coef", b"_prodigy_d_coef", "_prodigy_safeguard_warmup", b"_prodigy_safeguard_warmup", "_prodigy_use_bias_correction", b"_prodigy_use_bias_correction", "_repeats", b"_repeats", "_resolution", b"_resolution", "_text_encoder_learning_rate", b"_text_encoder_learning_rate", "_train_batch_size", b"_train_batch_size", "_validation_guidance_scale", b"_validation_guidance_scale", "_validation_inference_steps", b"_validation_inference_steps", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "adam_weight_decay", b"adam_weight_decay", "base_model", b"base_model", "checkpointing_steps", b"checkpointing_steps", "gradient_accumulation_steps", b"gradient_accumulation_steps", "learning_rate", b"learning_rate", "logit_std", b"logit_std", "lora_alpha", b"lora_alpha", "lora_rank", b"lora_rank", "lr_num_cycles", b"lr_num_cycles", "lr_power", b"lr_power", "max_failures", b"max_failures", "max_grad_norm", b"max_grad_norm", "mode_scale", b"mode_scale", "num_class_images", b"num_class_images", "num_validation_images", b"num_validation_images", "prior_loss_weight", b"prior_loss_weight", "prodigy_d_coef", b"prodigy_d_coef", "prodigy_safeguard_warmup", b"prodigy_safeguard_warmup", "prodigy_use_bias_correction", b"prodigy_use_bias_correction", "repeats", b"repeats", "resolution", b"resolution", "text_encoder_learning_rate", b"text_encoder_learning_rate", "train_batch_size", b"train_batch_size", "validation_guidance_scale", b"validation_guidance_scale", "validation_inference_steps", b"validation_inference_steps", "webhook", b"webhook"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_adam_weight_decay", b"_adam_weight_decay", "_base_model", b"_base_model", "_checkpointing_steps", b"_checkpointing_steps", "_gradient_accumulation_steps", b"_gradient_accumulation_steps", "_learning_rate", b"_learning_rate", "_lora_alpha", b"_lora_alpha", "_lora_rank", b"_lora_rank", "_lr_num_cycles", b"_lr_num_cycles", "_lr_power", b"_lr_power", "_max_failures", b"_max_failures", "_max_grad_norm", b"_max_grad_norm", "_num_class_images", b"_num_class_images", "_num_validation_images", b"_num_validation_images", "_prior_loss_weight", b"_prior_loss_weight", "_prodigy_d_coef", b"_prodigy_d_coef", "_prodigy_safeguard_warmup", b"_prodigy_safeguard_warmup", "_prodigy_use_bias_correction", b"_prodigy_use_bias_correction", "_repeats", b"_repeats", "_resolution", b"_resolution", "_text_encoder_learning_rate", b"_text_encoder_learning_rate", "_train_batch_size", b"_train_batch_size", "_validation_guidance_scale", b"_validation_guidance_scale", "_validation_inference_steps", b"_validation_inference_steps", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "adam_weight_decay", b"adam_weight_decay", "aspect_ratio_bucketing", b"aspect_ratio_bucketing", "base_model", b"base_model", "caption_mode", b"caption_mode", "center_crop", b"center_crop", "checkpointing_steps", b"checkpointing_steps", "class_data_prefix", b"class_data_prefix", "class_prompt", b"class_prompt", "gradient_accumulation_steps", b"gradient_accumulation_steps", "gradient_checkpointing", b"gradient_checkpointing", "instance_data_prefix", b"instance_data_prefix", "instance_prompt", b"instance_prompt", "labels", b"labels", "learning_rate", b"learning_rate", "lora_alpha", b"lora_alpha", "lora_dropout", b"lora_dropout", "lora_rank", b"lora_rank", "lr_num_cycles", b"lr_num_cycles", "lr_power", b"lr_power", "lr_scheduler", b"lr_scheduler", "lr_warmup_steps", b"lr_warmup_steps", "max_failures", b"max_failures", "max_grad_norm", b"max_grad_norm", "max_train_steps", b"max_train_steps", "min_vram_mb", b"min_vram_mb", "mixed_precision", b"mixed_precision", "noise_offset", b"noise_offset", "num_class_images", b"num_class_images", "num_validation_images", b"num_validation_images", "optimizer", b"optimizer", "output_format", b"output_format", "prior_loss_weight", b"prior_loss_weight", "priority", b"priority", "prodigy_d_coef", b"prodigy_d_coef", "prodigy_safeguard_warmup", b"prodigy_safeguard_warmup", "prodigy_use_bias_correction", b"prodigy_use_bias_correction", "random_flip", b"random_flip", "repeats", b"repeats", "resolution", b"resolution", "scale_lr", b"scale_lr", "seed", b"seed", "snr_gamma", b"snr_gamma", "text_encoder_learning_rate", b"text_encoder_learning_rate", "train_batch_size", b"train_batch_size", "train_text_encoder", b"train_text_encoder", "use_8bit_adam", b"use_8bit_adam", "use_dora", b"use_dora", "vae_model", b"vae_model", "validation_guidance_scale", b"validation_guidance_scale", "validation_inference_steps", b"validation_inference_steps", "validation_negative_prompt", b"validation_negative_prompt", "validation_prompt", b"validation_prompt", "validation_prompts", b"validation_prompts", "validation_steps", b"validation_steps", "webhook", b"webhook", "with_prior_preservation", b"with_prior_preservation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1", "_adam_beta2", b"_adam_beta2", "_adam_epsilon", b"_adam_epsilon", "_adam_weight_decay", b"_adam_weight_decay", "_base_model", b"_base_model", "_checkpointing_steps", b"_checkpointing_steps", "_gradient_accumulation_steps", b"_gradient_accumulation_steps", "_learning_rate", b"_learning_rate", "_logit_std", b"_logit_std", "_lora_alpha", b"_lora_alpha", "_lora_rank", b"_lora_rank", "_lr_num_cycles", b"_lr_num_cycles", "_lr_power", b"_lr_power", "_max_failures", b"_max_failures", "_max_grad_norm", b"_max_grad_norm", "_mode_scale", b"_mode_scale", "_num_class_images", b"_num_class_images", "_num_validation_images", b"_num_validation_images", "_prior_loss_weight", b"_prior_loss_weight", "_prodigy_d_coef", b"_prodigy_d_coef", "_prodigy_safeguard_warmup", b"_prodigy_safeguard_warmup", "_prodigy_use_bias_correction", b"_prodigy_use_bias_correction", "_repeats", b"_repeats", "_resolution", b"_resolution", "_text_encoder_learning_rate", b"_text_encoder_learning_rate", "_train_batch_size", b"_train_batch_size", "_validation_guidance_scale", b"_validation_guidance_scale", "_validation_inference_steps", b"_validation_inference_steps", "adam_beta1", b"adam_beta1", "adam_beta2", b"adam_beta2", "adam_epsilon", b"adam_epsilon", "adam_weight_decay", b"adam_weight_decay", "aspect_ratio_bucketing", b"aspect_ratio_bucketing", "base_model", b"base_model", "base_quantization", b"base_quantization", "caption_mode", b"caption_mode", "center_crop", b"center_crop", "checkpointing_steps", b"checkpointing_steps", "class_data_prefix", b"class_data_prefix", "class_prompt", b"class_prompt", "gradient_accumulation_steps", b"gradient_accumulation_steps", "gradient_checkpointing", b"gradient_checkpointing", "guidance_scale", b"guidance_scale", "instance_data_prefix", b"instance_data_prefix", "instance_prompt", b"instance_prompt", "labels", b"labels", "learning_rate", b"learning_rate", "logit_mean", b"logit_mean", "logit_std", b"logit_std", "lora_alpha", b"lora_alpha", "lora_dropout", b"lora_dropout", "lora_rank", b"lora_rank", "lr_num_cycles", b"lr_num_cycles", "lr_power", b"lr_power", "lr_scheduler", b"lr_scheduler", "lr_warmup_steps", b"lr_warmup_steps", "max_failures", b"max_failures", "max_grad_norm", b"max_grad_norm", "max_sequence_length", b"max_sequence_length", "max_train_steps", b"max_train_steps", "min_vram_mb", b"min_vram_mb", "mixed_precision", b"mixed_precision", "mode_scale", b"mode_scale", "model_family", b"model_family", "noise_offset", b"noise_offset", "num_class_images", b"num_class_images", "num_validation_images", b"num_validation_images", "optimizer", b"optimizer", "output_format", b"output_format", "prior_loss_weight", b"prior_loss_weight", "priority", b"priority", "prodigy_d_coef", b"prodigy_d_coef", "prodigy_safeguard_warmup", b"prodigy_safeguard_warmup", "prodigy_use_bias_correction", b"prodigy_use_bias_correction", "random_flip", b"random_flip", "repeats", b"repeats", "resolution", b"resolution", "scale_lr", b"scale_lr", "seed", b"seed", "snr_gamma", b"snr_gamma", "text_encoder_learning_rate", b"text_encoder_learning_rate", "train_batch_size", b"train_batch_size", "train_text_encoder", b"train_text_encoder", "use_8bit_adam", b"use_8bit_adam", "use_dora", b"use_dora", "vae_model", b"vae_model", "validation_guidance_scale", b"validation_guidance_scale", "validation_inference_steps", b"validation_inference_steps", "validation_negative_prompt", b"validation_negative_prompt", "validation_prompt", b"validation_prompt", "validation_prompts", b"validation_prompts", "validation_steps", b"validation_steps", "webhook", b"webhook", "weighting_scheme", b"weighting_scheme", "with_prior_preservation", b"with_prior_preservation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__adam_beta1: _TypeAlias = _typing.Literal["adam_beta1"]  # noqa: Y015
     _WhichOneofArgType__adam_beta1: _TypeAlias = _typing.Literal["_adam_beta1", b"_adam_beta1"]  # noqa: Y015
@@ -603,6 +716,8 @@ class JobSpec(_message.Message):
     _WhichOneofArgType__gradient_accumulation_steps: _TypeAlias = _typing.Literal["_gradient_accumulation_steps", b"_gradient_accumulation_steps"]  # noqa: Y015
     _WhichOneofReturnType__learning_rate: _TypeAlias = _typing.Literal["learning_rate"]  # noqa: Y015
     _WhichOneofArgType__learning_rate: _TypeAlias = _typing.Literal["_learning_rate", b"_learning_rate"]  # noqa: Y015
+    _WhichOneofReturnType__logit_std: _TypeAlias = _typing.Literal["logit_std"]  # noqa: Y015
+    _WhichOneofArgType__logit_std: _TypeAlias = _typing.Literal["_logit_std", b"_logit_std"]  # noqa: Y015
     _WhichOneofReturnType__lora_alpha: _TypeAlias = _typing.Literal["lora_alpha"]  # noqa: Y015
     _WhichOneofArgType__lora_alpha: _TypeAlias = _typing.Literal["_lora_alpha", b"_lora_alpha"]  # noqa: Y015
     _WhichOneofReturnType__lora_rank: _TypeAlias = _typing.Literal["lora_rank"]  # noqa: Y015
@@ -615,6 +730,8 @@ class JobSpec(_message.Message):
     _WhichOneofArgType__max_failures: _TypeAlias = _typing.Literal["_max_failures", b"_max_failures"]  # noqa: Y015
     _WhichOneofReturnType__max_grad_norm: _TypeAlias = _typing.Literal["max_grad_norm"]  # noqa: Y015
     _WhichOneofArgType__max_grad_norm: _TypeAlias = _typing.Literal["_max_grad_norm", b"_max_grad_norm"]  # noqa: Y015
+    _WhichOneofReturnType__mode_scale: _TypeAlias = _typing.Literal["mode_scale"]  # noqa: Y015
+    _WhichOneofArgType__mode_scale: _TypeAlias = _typing.Literal["_mode_scale", b"_mode_scale"]  # noqa: Y015
     _WhichOneofReturnType__num_class_images: _TypeAlias = _typing.Literal["num_class_images"]  # noqa: Y015
     _WhichOneofArgType__num_class_images: _TypeAlias = _typing.Literal["_num_class_images", b"_num_class_images"]  # noqa: Y015
     _WhichOneofReturnType__num_validation_images: _TypeAlias = _typing.Literal["num_validation_images"]  # noqa: Y015
@@ -656,6 +773,8 @@ class JobSpec(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__learning_rate) -> _WhichOneofReturnType__learning_rate | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logit_std) -> _WhichOneofReturnType__logit_std | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__lora_alpha) -> _WhichOneofReturnType__lora_alpha | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__lora_rank) -> _WhichOneofReturnType__lora_rank | None: ...
@@ -667,6 +786,8 @@ class JobSpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_failures) -> _WhichOneofReturnType__max_failures | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_grad_norm) -> _WhichOneofReturnType__max_grad_norm | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mode_scale) -> _WhichOneofReturnType__mode_scale | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_class_images) -> _WhichOneofReturnType__num_class_images | None: ...
     @_typing.overload
