@@ -145,7 +145,8 @@ def estimate_vram_mb(
     if variant is None:
         return None
     dense = 4.0 if mixed_precision == "no" else 2.0
-    denoiser = variant.denoiser_b * (dense if quantization == "none" else _WEIGHT_BYTES[quantization])
+    per_weight = dense if quantization == "none" else _WEIGHT_BYTES[quantization]
+    denoiser = variant.denoiser_b * per_weight
     encoders = variant.text_encoders_b * dense
     vae = variant.vae_b * dense
     lora = variant.lora_m_per_rank * lora_rank * 16 / 1000  # GB: fp32 weight, grad, 2 moments
