@@ -80,7 +80,33 @@ async def test_a_text_file_named_png_is_refused_at_submit_naming_it(
     )
     line = _one_line_error(code, err)
     assert "broken.png" in line and "not a readable image" in line
+    # What a user can act on, not PIL's view of an in-memory buffer (issue 32, item 4).
+    assert "_io." not in line and "BytesIO" not in line and "0x" not in line, line
+    assert "not in any image format" in line, line
     assert await _uploaded(fleet) == []
+
+
+async def test_a_file_that_is_not_an_image_is_skipped_and_named(
+    fleet: Fleet,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `notes.pdf` beside the photos is left out, and the CLI says so on stderr (stdout
+    stays the --json output): nothing is dropped in silence (issue 32, item 3)."""
+    photos = _folder(tmp_path / "rex")
+    (photos / "notes.pdf").write_bytes(b"%PDF-1.4 not photos")
+    (photos / ".DS_Store").write_bytes(b"finder")
+    code, out, err = await lorafleet(
+        capsys, monkeypatch, fleet, "submit", "--images", str(photos), *PROMPT, "--json"
+    )
+    assert code == 0, err
+    (job,) = json.loads(out)
+    (note,) = [line for line in err.splitlines() if line.startswith("note: skipped")]
+    assert "notes.pdf" in note and ".DS_Store" not in note and "1 file" in note, note
+    names = sorted(k.rsplit("/", 1)[1] for k in await _uploaded(fleet))
+    assert names == ["0.png", "0.txt", "1.png"], names
+    assert job["spec"]["instance_data_prefix"].startswith("rex-")
 
 
 async def test_the_spec_is_checked_before_anything_is_uploaded(
@@ -168,6 +194,13 @@ def test_a_bad_zip_is_refused_naming_why(entries: dict[str, bytes], reason: str)
     with pytest.raises(InvalidArgument) as caught:
         read_zip(_zip(entries))
     assert reason in caught.value.reason
+
+
+def test_a_zip_names_what_it_skips() -> None:
+    skipped: list[str] = []
+    files = read_zip(_zip(DATASET), skipped=skipped)
+    assert [f.name for f in files] == ["1.png", "1.txt", "2.jpg"]
+    assert skipped == ["rex/notes.md"]  # not the resource fork
 
 
 def test_a_zip_member_larger_than_declared_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

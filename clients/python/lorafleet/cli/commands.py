@@ -27,7 +27,13 @@ from lorafleet.cli.samples import SAMPLES_HELP, add_samples_arguments, samples_c
 from lorafleet.cli.timeline import timeline_command
 from lorafleet.client import AsyncClient
 from lorafleet.client.api import build_spec
-from lorafleet.client.dataset import TrainingFile, fetch_zip, read_folder, read_zip
+from lorafleet.client.dataset import (
+    IMAGE_SUFFIXES,
+    TrainingFile,
+    fetch_zip,
+    read_folder,
+    read_zip,
+)
 from lorafleet.core.errors import InvalidArgument
 from lorafleet.core.model import RESULT_FILE_NAMES, Job, JobEvent, JobState, result_format
 from lorafleet.core.spec import SPEC_FIELD, SPEC_FIELDS, JobSpec, SpecField
@@ -270,13 +276,37 @@ async def _read_images(
     client: AsyncClient, *, folder: str | None, zip_file: str | None, url: str | None
 ) -> list[TrainingFile]:
     """The checked files of whichever of --images, --images-zip, --images-url was given."""
+    skipped: list[str] = []
     if folder:
-        return await asyncio.to_thread(read_folder, folder)
+        files = await asyncio.to_thread(read_folder, folder, skipped=skipped)
+        _say_skipped(folder, skipped)
+        return files
     if zip_file:
-        return await asyncio.to_thread(read_zip, zip_file)
+        files = await asyncio.to_thread(read_zip, zip_file, skipped=skipped)
+        _say_skipped(zip_file, skipped)
+        return files
     assert url
     data = await fetch_zip(url, allow_http_loopback=_allow_http_loopback())
-    return await asyncio.to_thread(read_zip, data, field="images_url", name=url)
+    files = await asyncio.to_thread(read_zip, data, field="images_url", name=url, skipped=skipped)
+    _say_skipped(url, skipped)
+    return files
+
+
+def _say_skipped(source: str, skipped: list[str]) -> None:
+    """One line on stderr naming the files left out (neither an image nor a caption), so a
+    `notes.pdf` among the photos is never dropped in silence; stdout stays the command's
+    output (`--json`)."""
+    if not skipped:
+        return
+    names = ", ".join(skipped[:10]) + (
+        f" (and {len(skipped) - 10} more)" if len(skipped) > 10 else ""
+    )
+    kinds = ", ".join(IMAGE_SUFFIXES)
+    print(
+        f"note: skipped {len(skipped)} file(s) in {source} that are neither images ({kinds})"
+        f" nor .txt captions: {names}",
+        file=sys.stderr,
+    )
 
 
 def _allow_http_loopback() -> bool:
@@ -341,9 +371,11 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
             )
             uploads.append((spec["instance_data_prefix"], files))
         if args.class_images:
+            skipped: list[str] = []
             class_files = await asyncio.to_thread(
-                read_folder, args.class_images, field="class_images"
+                read_folder, args.class_images, field="class_images", skipped=skipped
             )
+            _say_skipped(args.class_images, skipped)
             uploads.append((spec["class_data_prefix"], class_files))
         specs = [spec]
     if args.estimate:
@@ -546,7 +578,11 @@ async def webhooks(client: AsyncClient, args: argparse.Namespace) -> int:
 def add_job_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("submit", help="submit a job (or --batch FILE of jobs)")
     add_connection_flags(p)
-    p.add_argument("--images", help="a local folder of images (+ name.txt captions) to upload")
+    p.add_argument(
+        "--images",
+        help="a local folder of images (+ name.txt captions) to upload; other files are skipped"
+        " and named on stderr, an image that does not decode refuses the submit",
+    )
     p.add_argument(
         "--images-zip", help="a zip file of images (+ name.txt captions beside them) to upload"
     )

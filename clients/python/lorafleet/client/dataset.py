@@ -4,7 +4,9 @@ or a zip at an HTTPS URL, with `name.txt` captions beside the images.
 Everything is checked here, before a single byte is uploaded: the folder exists, the zip is a
 zip with safe names (no absolute paths, no "..": a zip-slip cannot reach outside the prefix)
 and bounded sizes, and every image decodes. A bad input is an `InvalidArgument` naming the
-flag and the file.
+flag and the file. Files that are neither images (by suffix) nor `.txt` captions, such as a
+`notes.pdf` beside the photos, are skipped, never uploaded: pass `skipped=[]` to learn which
+(the CLI prints them). Hidden files and macOS resource forks are left out without a word.
 """
 
 from __future__ import annotations
@@ -83,31 +85,48 @@ def check_image(field: str, file: TrainingFile) -> None:
     except InvalidArgument:
         raise
     except Exception as exc:  # PIL raises many kinds for a file that is not an image
-        raise InvalidArgument(
-            field, f"{file.name}: not a readable image ({type(exc).__name__}: {exc})"
-        ) from None
+        raise InvalidArgument(field, f"{file.name}: not a readable image ({_why(exc)})") from None
 
 
-def read_folder(directory: str | Path, *, field: str = "images") -> list[TrainingFile]:
-    """The images and captions directly in a folder, checked."""
+def _why(exc: Exception) -> str:
+    """PIL's reason for a file it cannot decode, in words a user can act on: its own messages
+    name the in-memory buffer (`cannot identify image file <_io.BytesIO object at 0x...>`),
+    which says nothing about the user's file."""
+    from PIL import UnidentifiedImageError
+
+    if isinstance(exc, UnidentifiedImageError):
+        return "its contents are not in any image format PIL knows"
+    text = str(exc).split(" <_io.", 1)[0].strip().rstrip(":") or type(exc).__name__
+    return text[:200]
+
+
+def read_folder(
+    directory: str | Path, *, field: str = "images", skipped: list[str] | None = None
+) -> list[TrainingFile]:
+    """The images and captions directly in a folder, checked. The names of other files (not
+    hidden ones) are appended to `skipped` when it is given."""
     root = Path(directory)
     if not root.exists():
         raise InvalidArgument(field, f"no such folder: {root}")
     if not root.is_dir():
         raise InvalidArgument(field, f"{root} is not a folder (use --images-zip for a zip file)")
-    files = [
-        TrainingFile(p.name, p.read_bytes())
-        for p in sorted(root.iterdir())
-        if p.is_file() and _is_training_name(p.name)
-    ]
+    entries = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
+    files = [TrainingFile(p.name, p.read_bytes()) for p in entries if _is_training_name(p.name)]
+    if skipped is not None:
+        skipped.extend(p.name for p in entries if not _is_training_name(p.name))
     return _check_files(field, files, str(root))
 
 
 def read_zip(
-    source: str | Path | bytes, *, field: str = "images_zip", name: str | None = None
+    source: str | Path | bytes,
+    *,
+    field: str = "images_zip",
+    name: str | None = None,
+    skipped: list[str] | None = None,
 ) -> list[TrainingFile]:
     """The images and captions inside a zip (any folder depth; names flattened to the file
-    name, so `rex/1.png` and `rex/1.txt` stay side by side), checked."""
+    name, so `rex/1.png` and `rex/1.txt` stay side by side), checked. The names of other
+    members (not hidden ones, not macOS resource forks) are appended to `skipped` when given."""
     label = name or (str(source) if not isinstance(source, bytes) else "the zip")
     if not isinstance(source, bytes):
         path = Path(source)
@@ -132,6 +151,8 @@ def read_zip(
             if member.parts[0] == "__MACOSX" or member.name.startswith("."):
                 continue  # macOS resource forks and hidden files
             if not _is_training_name(member.name):
+                if skipped is not None:
+                    skipped.append(info.filename)
                 continue
             if member.name in seen:
                 raise InvalidArgument(
