@@ -144,6 +144,30 @@ async def test_the_spec_is_checked_before_anything_is_uploaded(
     assert await _uploaded(fleet) == []
 
 
+async def test_a_relative_base_model_is_refused_before_anything_is_uploaded(
+    fleet: Fleet,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    photos = _folder(tmp_path / "rex")
+    code, _, err = await lorafleet(
+        capsys,
+        monkeypatch,
+        fleet,
+        "submit",
+        "--images",
+        str(photos),
+        *PROMPT,
+        "--base-model",
+        "./no-such-model",
+    )
+    line = _one_line_error(code, err)
+    assert line.startswith("error: base_model: './no-such-model' is a relative path"), line
+    assert "absolute path" in line
+    assert await _uploaded(fleet) == []
+
+
 def _zip(entries: dict[str, bytes]) -> bytes:
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as archive:

@@ -18,7 +18,7 @@ from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.signing import UrlSigner
 from tests.support.artifacts import checkpoint_blob, lora_blob
 from tests.support.fleet import Fleet
-from tests.support.workers import connect_worker
+from tests.support.workers import connect_worker, local_identity
 
 SHA = "a" * 64
 
@@ -249,6 +249,53 @@ async def test_an_input_failure_fails_the_job_once_a_second_machine_confirms_it(
             await fleet.scheduler.ledger.claim_job(machine_id, 0, 30, secret_sha256=bytes(32))
             is None
         )
+
+
+async def test_an_input_fault_from_the_operators_own_machine_fails_the_job_at_once(
+    fleet: Fleet,
+) -> None:
+    """A machine `lorafleet up` (or EC2 in the operator's account) vouches for is not a
+    stranger's: its input fault fails the job at once with the worker's message, so the job
+    does not sit QUEUED, banned from the only worker, while the scaler fetches a node to
+    confirm what cannot succeed anywhere."""
+    job = await fleet.alice.submit(max_failures=5, base_model="/no/such/model")
+    message = "base_model: '/no/such/model' is not a model on this worker"
+    identity = local_identity(fleet.scheduler.identity_secret, "local-0")
+    async with connect_worker(fleet.channel, fleet.token, "local-0", identity=identity) as worker:
+        granted = await worker.ready_for_lease()
+        await worker.send(
+            job_failed=fpb.JobFailed(
+                lease=worker.ref(granted.lease),
+                failure_class=pb.FAILURE_CLASS_INPUT,
+                message=message,
+            )
+        )
+        failed = await fleet.alice.wait_for(
+            job.job_id, lambda j: j.state in (pb.JOB_STATE_FAILED, pb.JOB_STATE_QUEUED)
+        )
+    assert failed.state == pb.JOB_STATE_FAILED, failed
+    assert failed.failure_class == pb.FAILURE_CLASS_INPUT and failed.failures == 0
+    assert failed.error == message
+    assert await fleet.scheduler.ledger.count_queued(10) == 0
+
+
+async def test_a_relative_model_path_is_refused_at_submit_naming_the_field(fleet: Fleet) -> None:
+    """A relative path is resolved on each worker against its own folder: it can never name
+    what the submitter sees, so it is refused before a job exists. Absolute paths and hub ids
+    are the workers' to check."""
+    for field, ref in (
+        ("base_model", "./no-such-model"),
+        ("base_model", ".lorafleet/demo-model"),
+        ("base_model", "~/models/sdxl"),
+        ("base_model", "a/b/c"),
+        ("vae_model", "../vae"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await fleet.alice.submit(**{field: ref})
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ref
+        assert f"spec.{field}" in (refused.value.details() or ""), refused.value.details()
+    for ref in ("/models/sdxl", "stabilityai/stable-diffusion-xl-base-1.0", "sdxl-base"):
+        assert (await fleet.alice.submit(base_model=ref)).state == pb.JOB_STATE_QUEUED
 
 
 async def test_cancel_is_pushed_to_the_holder(fleet: Fleet) -> None:

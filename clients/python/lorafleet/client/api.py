@@ -47,6 +47,7 @@ from lorafleet.core.errors import (
 )
 from lorafleet.core.lifecycle import AsyncLifecycle
 from lorafleet.core.model import Checkpoint, Job, JobEvent, JobState, result_format
+from lorafleet.core.model_refs import check_model_ref_shape
 from lorafleet.core.serde import (
     JOB_STATES,
     checkpoint_from_proto,
@@ -176,6 +177,8 @@ def build_spec(spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any) -
                 raise InvalidArgument("webhook.events", f"unknown event {event!r}")
             msg.webhook.events.append(pb.WebhookEvent.ValueType(number))
     spec_from_proto(msg)  # the same checks the scheduler runs, before a round trip
+    for name in ("base_model", "vae_model"):  # and its refusal of a relative local path
+        check_model_ref_shape(name, getattr(msg, name))
     return msg
 
 

@@ -55,6 +55,11 @@ def load_queries() -> dict[str, str]:
 
 QUERIES = load_queries()
 
+# Identity providers whose machines the operator itself runs: `lorafleet up`'s local supervisor
+# and EC2 (instances in the operator's own accounts). An input fault one of them reports fails
+# the job at once; a stranger's machine (SaladCloud, or unverified) needs a second to agree.
+OPERATOR_RUN_PROVIDERS = ("local", "ec2")
+
 
 class LedgerError(LorafleetError):
     """The database refused a statement and retrying it cannot help (see the module docstring).
@@ -774,7 +779,12 @@ class Ledger:
         self, lease_id: str, epoch: int, failure_class: FailureClass, message: str
     ) -> Job | None:
         row = await self._fetchrow(
-            "fail_attempt", _uuid_or_nil(lease_id), epoch, failure_class.value, message
+            "fail_attempt",
+            _uuid_or_nil(lease_id),
+            epoch,
+            failure_class.value,
+            message,
+            list(OPERATOR_RUN_PROVIDERS),
         )
         return None if row is None else job_from_row(row)
 

@@ -24,6 +24,7 @@ from lorafleet.core.model import (
     shape_seconds_per_step,
     upload_key,
 )
+from lorafleet.core.model_refs import check_model_ref_shape
 from lorafleet.core.spec import JobSpec, check_path, check_sample_settings
 from lorafleet.ledger.ledger import Ledger, NewJob, WebhookDeliveryRecord
 from lorafleet.scheduler.notifications import Notifications
@@ -152,6 +153,10 @@ class JobHandler:
                 )
             if sub.spec.webhook_url:
                 self._webhook_policy.check_url(sub.spec.webhook_url, f"{prefix}.webhook.url")
+            # A relative local path can never name the same folder on a worker: refused here,
+            # before it becomes a job that could only fail on the fleet.
+            for field in ("base_model", "vae_model"):
+                check_model_ref_shape(f"{prefix}.{field}", getattr(sub.spec, field))
             await self._check_data(owner, sub.spec, prefix, has_files)
         if api_key_id is not None:
             await self._check_spend_limit(api_key_id, [s.spec for s in submissions])

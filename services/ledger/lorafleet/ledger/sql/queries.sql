@@ -401,12 +401,16 @@ WITH target AS (
 SELECT * FROM requeued;
 
 -- name: fail_attempt
--- $1 lease, $2 epoch, $3 class (NODE | INPUT | INTERNAL), $4 message.
+-- $1 lease, $2 epoch, $3 class (NODE | INPUT | INTERNAL), $4 message, $5 the identity providers
+-- whose machines the operator runs (lorafleet up's local supervisor, EC2 in its own account).
 -- Every class bans the machine: a job is never leased again to a machine it failed on, so one
 -- machine can never use up a job's failures by itself. NODE and INTERNAL count a failure.
--- INPUT counts none and fails the job only once a second machine reports an input fault too:
--- workers are strangers' machines, and one of them alone must not be able to fail every job
--- it is handed by calling its inputs bad (docs/THREAT_MODEL.md).
+-- INPUT counts none. It fails the job at once when the machine is one of the operator's own
+-- (provider-verified by a provider in $5): waiting for a second machine there only re-queues a
+-- job that cannot succeed and makes the scaler fetch a node for it. From any other machine it
+-- fails the job only once a second machine reports an input fault too: those are strangers'
+-- machines, and one of them alone must not be able to fail every job it is handed by calling
+-- its inputs bad (docs/THREAT_MODEL.md).
 WITH target AS (
     SELECT job_id, lease_id, machine_id, epoch, failures, max_failures FROM jobs
     WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
@@ -414,10 +418,13 @@ WITH target AS (
 ), decided AS (
     SELECT t.*,
            t.failures + CASE WHEN $3 = 'INPUT' THEN 0 ELSE 1 END AS new_failures,
-           CASE WHEN $3 = 'INPUT' AND EXISTS (
+           CASE WHEN $3 = 'INPUT' AND (EXISTS (
                     SELECT 1 FROM job_events e
                     WHERE e.job_id = t.job_id AND e.kind = 'ATTEMPT_FAILED'
                       AND e.failure_class = 'INPUT' AND e.machine_id <> t.machine_id)
+                 OR EXISTS (
+                    SELECT 1 FROM machines m
+                    WHERE m.machine_id = t.machine_id AND m.identity_provider = ANY($5::text[])))
                 THEN 'FAILED'
                 WHEN $3 <> 'INPUT' AND t.failures + 1 >= t.max_failures THEN 'FAILED'
                 ELSE 'QUEUED' END AS new_state
