@@ -19,7 +19,7 @@ from lorafleet.scheduler.checkpoint_interval import RecentFigures, young_daly_st
 from lorafleet.scheduler.config import SchedulerConfig
 from lorafleet.scheduler.job_handler import PRIOR_S_PER_STEP
 from tests.support.fleet import Fleet
-from tests.support.workers import ScriptedWorker, connect_worker
+from tests.support.workers import ScriptedWorker, connect_worker, local_identity
 
 GPU = "NVIDIA GeForce RTX 4090"
 DEFAULTS = SchedulerConfig.model_fields
@@ -175,6 +175,51 @@ async def test_a_liars_reported_cost_moves_only_its_own_leases_interval(fleet: F
     )
     (notice,) = await notices(fleet, second.job_id)
     assert "(prior)" in notice
+
+
+@pytest.mark.parametrize(
+    "scheduler_overrides",
+    # Figures read at every grant, and a Hello budget that is not what stops the attack.
+    [{"interruption_figures_ttl_s": 0.0, "worker_hello_burst_per_verified_machine": 100}],
+)
+async def test_one_machine_draining_in_a_loop_moves_others_intervals_at_most_1_5x(
+    fleet: Fleet, database_url: str
+) -> None:
+    """A provider-verified machine naming the honest nodes' GPU repeats Ready, one tiny
+    checkpoint, Draining, reconnect twelve times in seconds. Counted per machine with a cap,
+    its twelve drains weigh about one interruption: an honest node's next automatic interval
+    moves by at most 1.5x.
+    Before, the class's mean time between interruptions fell twelvefold (interval 3.6x
+    shorter), and kept falling with every loop."""
+    history = await fleet.alice.submit(checkpointing_steps=10)
+    await record_history(
+        database_url, history.job_id, "old-4090", verified=True, ends=["succeeded"] * 5
+    )
+    jobs = [await fleet.alice.submit(max_train_steps=50_000, checkpointing_steps=0) for _ in "ab"]
+    async with connect_worker(fleet.channel, fleet.token, "honest-1", gpu_model=GPU) as honest:
+        before = (await grant(honest)).spec.checkpointing_steps
+    identity = local_identity(fleet.scheduler.identity_secret, "drainer")
+    for i in range(12):
+        async with connect_worker(
+            fleet.channel, fleet.token, "drainer", identity=identity, gpu_model=GPU
+        ) as drainer:
+            granted = await drainer.ready_for_lease()
+            # One tiny checkpoint a lease: no lease of it "ended empty" (that quarantines).
+            await drainer.store_checkpoint(granted.lease, 10 * (i + 1))
+            await drainer.send(draining=fpb.Draining(lease=drainer.ref(granted.lease), reason="x"))
+    conn = await asyncpg.connect(database_url)
+    try:
+        drained = await conn.fetchval(
+            "SELECT count(*) FROM leases WHERE machine_id = 'drainer' AND end_reason = 'drained'"
+        )
+    finally:
+        await conn.close()
+    assert drained == 12
+    async with connect_worker(fleet.channel, fleet.token, "honest-2", gpu_model=GPU) as honest:
+        granted = await grant(honest)
+    after = granted.spec.checkpointing_steps
+    assert granted.lease.job_id in {j.job_id for j in jobs}
+    assert before / 1.5 <= after <= before, (before, after)
 
 
 async def test_an_explicit_interval_is_kept(fleet: Fleet) -> None:

@@ -10,7 +10,10 @@ mean time between interruptions. Here:
 * M: the ledger's, for the node class (`gpu_model`): leases ended by expiry or drain per
   lease-second held over `interruption_window_s`, provider-verified machines only, smoothed
   by a prior of one interruption per `interruption_prior_s` (`mean_time_between_interruptions`):
-  the prior with no data, the fleet's own figure once it has many hours.
+  the prior with no data, the fleet's own figure once it has many hours. Counted per machine
+  with caps (at most one plus one per `interruption_machine_cap_s` of its own lease time, and
+  at most 1.25 x the others' count plus one): one machine that drains and reconnects in a loop
+  moves every other machine's interval by at most 1.5x (sqrt of 2.25).
 * Steps: the interval over the fleet's pace on the job's shape (`JobHandler.spec_pace`: verified
   completions, else the prior), bounded to `checkpoint_min_steps`..max_train_steps.
 
@@ -71,6 +74,7 @@ class CheckpointIntervalSettings:
     cost_prior_s: float = 20.0
     interruption_prior_s: float = 4 * 3600.0
     interruption_window_s: float = 7 * 86400.0
+    interruption_machine_cap_s: float = 3600.0
     min_steps: int = 10
     figures_ttl_s: float = 30.0
 
@@ -93,7 +97,7 @@ class CheckpointInterval:
         return (
             f"checkpointing every {self.steps} steps (auto, Young-Daly): checkpoint cost"
             f" {self.cost_s:.3g} s ({cost}), mean time between interruptions"
-            f" {self.mtbi_s / 3600:.3g} h ({self.interruptions.interruptions} interruptions in"
+            f" {self.mtbi_s / 3600:.3g} h ({self.interruptions.interruptions:.3g} interruptions in"
             f" {self.interruptions.lease_seconds / 3600:.3g} lease-hours on"
             f" {gpu_model or 'unnamed GPUs'}), {self.seconds_per_step:.3g} s/step ({pace})"
         )
@@ -137,7 +141,11 @@ class CheckpointIntervals:
         s = self._settings
         observed = await self._interruptions.get(
             gpu_model,
-            lambda: self._ledger.interruptions_for_gpu(gpu_model, window_s=s.interruption_window_s),
+            lambda: self._ledger.interruptions_for_gpu(
+                gpu_model,
+                window_s=s.interruption_window_s,
+                machine_cap_s=s.interruption_machine_cap_s,
+            ),
         )
         mtbi_s = mean_time_between_interruptions(observed, s.interruption_prior_s)
         pace = await self._paces.get(pace_shape(spec), lambda: self._pace(spec))
