@@ -64,7 +64,14 @@ from lorafleet.scheduler import metrics
 from lorafleet.scheduler.background import BackgroundTasks
 from lorafleet.scheduler.checkpoint_interval import CheckpointIntervals
 from lorafleet.scheduler.notifications import LEASE_ENDED, WORK, Notifications
-from lorafleet.scheduler.sessions import ActiveLease, SessionState, WorkerSession, WorkerSessions
+from lorafleet.scheduler.sessions import (
+    ActiveLease,
+    SampleLease,
+    SessionState,
+    TrainingLease,
+    WorkerSession,
+    WorkerSessions,
+)
 from lorafleet.scheduler.signing import UrlSigner
 
 log = structlog.get_logger(__name__)
@@ -218,6 +225,7 @@ class Dispatcher:
                 secret_sha256=digest(lease_secret),
                 warm=session.ready.warm,
                 warm_bound_s=self._warm_dispatch_bound_s,
+                families=session.machine.families,
             )
             if job is None or job.lease_id is None:
                 return await self._offer_sample_task(session, lease_secret)
@@ -230,18 +238,8 @@ class Dispatcher:
             span = tracer.start_span(
                 "scheduler.grant", context=trace_context(job.traceparent), start_time=started_ns
             )
-            session.state = SessionState.LEASED
-            session.lease = ActiveLease(
-                job_id=job.job_id,
-                lease_id=job.lease_id,
-                epoch=job.epoch,
-                owner=job.owner,
-                urls_expire_at=0.0,
-                traceparent=traceparent_of(span),
-                output_format=job.spec.output_format,
-                max_train_steps=job.spec.max_train_steps,
-            )
-            lease = session.lease
+            lease = TrainingLease.from_job(job, traceparent=traceparent_of(span))
+            session.grant(lease)
             span.set_attributes(lease_attributes(lease, session))
             with trace.use_span(span, end_on_exit=True):
                 try:
@@ -258,7 +256,7 @@ class Dispatcher:
                     self._grant_abandoned(session, lease)
                     await self._ledger.drain_lease(job.lease_id, job.epoch, "ledger unavailable")
                     return False
-                if session.lease is not lease or session.state is not SessionState.LEASED:
+                if not session.granted(lease):  # it left, drained or lost the lease meanwhile
                     span.set_attribute("lorafleet.refused", True)
                     if self._grant_abandoned(session, lease):
                         await self._ledger.drain_lease(
@@ -315,17 +313,16 @@ class Dispatcher:
         worker about a lease it never saw, which it ignores).
 
         A worker still on its stream never saw the lease and still waits for an answer to its
-        Ready, so its session goes back to idle (the next dispatch round offers it work)."""
+        Ready, so its session goes back to idle (the next dispatch round offers it work); one
+        that drained or closed meanwhile only loses the lease."""
         still_live = session.lease is lease
-        if still_live:
-            session.lease = None
-            if session.state is SessionState.LEASED:
-                session.state = SessionState.IDLE
-        elif session.state is SessionState.CONNECTED:
-            # Revoked (`revoke` left it CONNECTED). LEASED with no lease is a Ready in
-            # `WorkerHandler.ready` still ending the lease in the ledger: that path sets the
-            # state itself.
-            session.state = SessionState.IDLE
+        if still_live and session.state is SessionState.LEASED:
+            session.withdraw(lease)
+        elif still_live:
+            session.end_lease(lease)  # draining or closed: it stays so
+        elif session.state is SessionState.CONNECTED and session.lease is None:
+            # Revoked (`revoke` ended the lease, leaving it CONNECTED).
+            session.withdraw(None)
         return still_live
 
     # Sample tasks ------------------------------------------------------------------------------
@@ -337,6 +334,7 @@ class Dispatcher:
             session.machine.vram_mb,
             self._lease_ttl_s,
             secret_sha256=digest(lease_secret),
+            families=session.machine.families,
         )
         if task is None or task.lease_id is None or task.spec is None:
             return False
@@ -346,17 +344,8 @@ class Dispatcher:
         span = tracer.start_span(
             "scheduler.grant_sample_task", context=trace_context(task.traceparent)
         )
-        session.state = SessionState.LEASED
-        session.lease = ActiveLease(
-            job_id=task.job_id,
-            lease_id=task.lease_id,
-            epoch=task.epoch,
-            owner=task.owner,
-            urls_expire_at=0.0,
-            traceparent=traceparent_of(span),
-            task=task,
-        )
-        lease = session.lease
+        lease = SampleLease.from_task(task, traceparent=traceparent_of(span))
+        session.grant(lease)
         span.set_attributes(lease_attributes(lease, session, step=task.step))
         with trace.use_span(span, end_on_exit=True):
             try:
@@ -368,7 +357,7 @@ class Dispatcher:
                 self._grant_abandoned(session, lease)
                 await self._ledger.drain_sample_task(task.lease_id, task.epoch)
                 return False
-            if session.lease is not lease or session.state is not SessionState.LEASED:
+            if not session.granted(lease):  # it left, drained or lost the lease meanwhile
                 span.set_attribute("lorafleet.refused", True)
                 if self._grant_abandoned(session, lease):
                     await self._ledger.drain_sample_task(task.lease_id, task.epoch)
@@ -395,7 +384,7 @@ class Dispatcher:
                         weights_is_checkpoint=task.weights_is_checkpoint,
                         uploads=uploads,
                         lease_secret=lease_secret,
-                        traceparent=session.lease.traceparent,
+                        traceparent=lease.traceparent,
                     )
                 )
             )
@@ -421,11 +410,11 @@ class Dispatcher:
         idle = self._sessions.count_idle()
         queued = await self._ledger.count_queued(idle + len(sampling))
         for session in sampling[: max(0, queued - idle)]:
-            lease = session.lease
-            if lease is None or lease.task is None:
+            lease = session.sample_lease()
+            if lease is None:
                 continue
             if not await self._ledger.training_claimable(
-                session.machine.machine_id, session.machine.vram_mb
+                session.machine.machine_id, session.machine.vram_mb, session.machine.families
             ):
                 continue
             if session.lease is not lease:
@@ -456,11 +445,11 @@ class Dispatcher:
 
     async def _recheck_lease(self, session: WorkerSession) -> None:
         lease = session.lease
-        if lease is None:
-            return
-        if lease.task is not None:
+        if isinstance(lease, SampleLease):
             if not await self._ledger.lease_is_live(lease.lease_id):
                 self.revoke(session, canceled=False)
+            return
+        if lease is None:
             return
         job = await self._ledger.get_job_any_owner(lease.job_id)
         if job is None or job.lease_id != lease.lease_id:
@@ -470,9 +459,7 @@ class Dispatcher:
         lease = session.lease
         if lease is None:
             return
-        session.lease = None
-        if session.state is SessionState.LEASED:
-            session.state = SessionState.CONNECTED
+        session.end_lease(lease)
         reason = fpb.REVOKE_REASON_CANCELED if canceled else fpb.REVOKE_REASON_SUPERSEDED
         session.send(
             fpb.ConnectResponse(

@@ -4,7 +4,10 @@ cost (bounds, rates, its send queue), and what one token holder may cost across 
 
 A session remembers; it decides nothing and never touches the ledger. The worker handler
 (`worker_handler.py`) acts on what a worker says, the dispatcher (`dispatcher.py`) on what the
-ledger says; both deliver through `WorkerSession.send`.
+ledger says; both deliver through `WorkerSession.send`, and both change a session only through
+its named transitions (`TRANSITIONS`: grant, idle, end_lease, drain, close, ...), which refuse
+whatever the table does not allow. The lease a session holds is a `TrainingLease` or a
+`SampleLease`; handlers ask for the kind they accept (`training_lease`, `sample_lease`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from urllib.parse import unquote
 import structlog
 
 from lorafleet.core.errors import ResourceExhausted
-from lorafleet.core.model import LeaseRef, Machine, SampleTask, WarmState
+from lorafleet.core.model import Job, LeaseRef, Machine, SampleTask, WarmState
 from lorafleet.core.serde import ReadyReport
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.scheduler import metrics
@@ -31,31 +34,81 @@ log = structlog.get_logger(__name__)
 
 
 class SessionState(enum.Enum):
-    CONNECTED = "connected"  # said Hello, not Ready yet
+    CONNECTED = "connected"  # said Hello, not Ready yet (or its lease just ended)
     IDLE = "idle"  # Ready: waiting for work
-    LEASED = "leased"
-    DRAINING = "draining"  # stopping: gets no more work
+    LEASED = "leased"  # holds a training lease or a sample task
+    DRAINING = "draining"  # stopping: gets no more work (may still hold its lease)
     UNQUALIFIED = "unqualified"  # failed its probe: never gets work
-    CLOSED = "closed"
+    CLOSED = "closed"  # the stream ended; a held lease lives on in the ledger until its TTL
+
+
+class IllegalTransition(RuntimeError):
+    """A session change its table does not allow: a bug in the scheduler, never a worker's
+    doing (the handlers check what a worker's message allows before they change a session)."""
+
+
+_OPEN = frozenset(SessionState) - {SessionState.CLOSED}
+
+# What may follow what: each named transition, from the states it may start in to where it
+# leads. Every change of a session's state goes through one of them (`WorkerSession._move`);
+# docs/DESIGN.md, "The worker session" has the same table with who calls each.
+TRANSITIONS: Mapping[str, Mapping[SessionState, SessionState]] = {
+    # Hello from a machine that failed its qualification probe.
+    "disqualify": {SessionState.CONNECTED: SessionState.UNQUALIFIED},
+    # Hello resuming a lease the worker held, with its secret.
+    "resume": {SessionState.CONNECTED: SessionState.LEASED},
+    # Ready: waits for work; a lease still held is given up.
+    "idle": {
+        SessionState.CONNECTED: SessionState.IDLE,
+        SessionState.IDLE: SessionState.IDLE,
+        SessionState.LEASED: SessionState.IDLE,
+    },
+    # A training lease or a sample task claimed for it.
+    "grant": {SessionState.IDLE: SessionState.LEASED},
+    # A grant being prepared will not be sent (its URLs could not be signed, or it was revoked
+    # meanwhile): the worker never saw it and still waits for work.
+    "withdraw": {SessionState.LEASED: SessionState.IDLE, SessionState.CONNECTED: SessionState.IDLE},
+    # The lease ended (result, failure, samples stored, refused, revoked). A draining session
+    # stays draining; a closed one stays closed (a message was in flight when its stream ended).
+    "end_lease": {
+        SessionState.LEASED: SessionState.CONNECTED,
+        SessionState.DRAINING: SessionState.DRAINING,
+        SessionState.CLOSED: SessionState.CLOSED,
+    },
+    # Draining, or the scaler's Shutdown: no more work; a held lease is kept until it ends.
+    "drain": dict.fromkeys(_OPEN, SessionState.DRAINING),
+    # The stream ended.
+    "close": dict.fromkeys(_OPEN, SessionState.CLOSED),
+}
 
 
 @dataclass(kw_only=True)
-class ActiveLease:
+class _Lease:
+    """What every lease on a stream is named and traced by."""
+
     job_id: str
     lease_id: str
     epoch: int
     owner: str
-    urls_expire_at: float
+    # The lease's place in the job's trace (the grant span; after a resume, the submit span):
+    # what the scheduler does for this lease joins the job's trace under it.
+    traceparent: str = ""
+
+    def ref(self) -> LeaseRef:
+        return LeaseRef(lease_id=self.lease_id, epoch=self.epoch)
+
+
+@dataclass(kw_only=True)
+class TrainingLease(_Lease):
+    """A job's training lease, as this stream holds it (`from_job`, at a grant or a resume)."""
+
+    # When its URLs need renewing (monotonic s; 0: at the next heartbeat).
+    urls_expire_at: float = 0.0
     # Checkpoint steps announced on this stream: a repeat is ignored, never verified (hashed)
     # or recorded again.
     announced_steps: set[int] = field(default_factory=set)
     # Class image indices recorded from this stream, likewise never verified again.
     announced_class_images: set[int] = field(default_factory=set)
-    # Set for a sample task's lease; None for a training lease.
-    task: SampleTask | None = None
-    # The lease's place in the job's trace (the grant span; after a resume, the submit span):
-    # what the scheduler does for this lease joins the job's trace under it.
-    traceparent: str = ""
     # The job's output_format: which result files its JobSucceeded must announce.
     output_format: str = "diffusers"
     # The job's max_train_steps: no heartbeat of a training lease reports a later step.
@@ -63,6 +116,45 @@ class ActiveLease:
     # The tensors (name -> shape) every checkpoint of the job must have: the earlier verified
     # checkpoints', learnt at this lease's first (formats.py).
     checkpoint_layout: Mapping[str, tuple[int, ...]] | None = None
+
+    @classmethod
+    def from_job(cls, job: Job, *, traceparent: str) -> TrainingLease:
+        """The lease `job` names now (the ledger's claim or resume returned it)."""
+        if job.lease_id is None:
+            raise ValueError(f"job {job.job_id} has no live lease")
+        return cls(
+            job_id=job.job_id,
+            lease_id=job.lease_id,
+            epoch=job.epoch,
+            owner=job.owner,
+            traceparent=traceparent,
+            output_format=job.spec.output_format,
+            max_train_steps=job.spec.max_train_steps,
+        )
+
+
+@dataclass(kw_only=True)
+class SampleLease(_Lease):
+    """A sample task's lease (`from_task`): it trains nothing, commits no checkpoint or result,
+    and its messages never touch its job."""
+
+    task: SampleTask
+
+    @classmethod
+    def from_task(cls, task: SampleTask, *, traceparent: str) -> SampleLease:
+        if task.lease_id is None:
+            raise ValueError(f"sample task {task.task_id} has no live lease")
+        return cls(
+            job_id=task.job_id,
+            lease_id=task.lease_id,
+            epoch=task.epoch,
+            owner=task.owner,
+            traceparent=traceparent,
+            task=task,
+        )
+
+
+ActiveLease = TrainingLease | SampleLease
 
 
 @dataclass(kw_only=True)
@@ -262,6 +354,9 @@ class StreamBounds:
 
 @dataclass(eq=False, kw_only=True)
 class WorkerSession:
+    """One worker stream on this replica. `state` and `lease` change only through the named
+    transitions below (`TRANSITIONS`); read them freely."""
+
     machine: Machine
     # sha256 of this stream's session token (Welcome.session_token).
     session_sha256: bytes
@@ -314,6 +409,86 @@ class WorkerSession:
             and self.lease.epoch == lease.epoch
         )
 
+    def granted(self, lease: ActiveLease) -> bool:
+        """Whether the session is still LEASED with `lease` (a grant in preparation may go)."""
+        return self.lease is lease and self.state is SessionState.LEASED
+
+    def training_lease(self, ref: LeaseRef | None = None) -> TrainingLease | None:
+        """This stream's training lease (only if it is the one `ref` names, when given)."""
+        lease = self.lease
+        if isinstance(lease, TrainingLease) and (ref is None or self.holds(ref)):
+            return lease
+        return None
+
+    def sample_lease(self, ref: LeaseRef | None = None) -> SampleLease | None:
+        """This stream's sample task lease (only if it is the one `ref` names, when given)."""
+        lease = self.lease
+        if isinstance(lease, SampleLease) and (ref is None or self.holds(ref)):
+            return lease
+        return None
+
+    # Transitions ------------------------------------------------------------------------------
+
+    def may(self, transition: str) -> bool:
+        """Whether `transition` may start from this session's state."""
+        return self.state in TRANSITIONS[transition]
+
+    def _move(self, transition: str) -> None:
+        to = TRANSITIONS[transition].get(self.state)
+        if to is None:
+            raise IllegalTransition(
+                f"{transition} from {self.state.value} (machine {self.machine.machine_id})"
+            )
+        self.state = to
+
+    def disqualify(self) -> None:
+        self._move("disqualify")
+
+    def resume(self, lease: TrainingLease) -> None:
+        self._take(lease, "resume")
+
+    def grant(self, lease: ActiveLease) -> None:
+        self._take(lease, "grant")
+
+    def _take(self, lease: ActiveLease, transition: str) -> None:
+        if self.lease is not None:
+            raise IllegalTransition(f"{transition} while holding lease {self.lease.lease_id}")
+        self._move(transition)
+        self.lease = lease
+
+    def idle(self) -> ActiveLease | None:
+        """The worker said Ready: it waits for work. Returns the lease it still held, which it
+        has given up (the caller ends it in the ledger)."""
+        self._move("idle")
+        abandoned, self.lease = self.lease, None
+        return abandoned
+
+    def withdraw(self, lease: ActiveLease | None) -> None:
+        """The grant of `lease` will not be sent; None: it was revoked already."""
+        if self.lease is not lease:
+            raise IllegalTransition(f"withdraw of a lease this session does not hold ({lease})")
+        self._move("withdraw")
+        self.lease = None
+
+    def end_lease(self, lease: ActiveLease) -> bool:
+        """`lease` ended. False (and nothing changes) when it is no longer this session's: a
+        revocation or a Ready ended it first."""
+        if self.lease is not lease:
+            return False
+        self._move("end_lease")
+        self.lease = None
+        return True
+
+    def drain(self) -> None:
+        """The worker is leaving (its Draining, or a Shutdown sent to it): no more work. A held
+        lease stays until its own message ends it."""
+        self._move("drain")
+
+    def close(self) -> None:
+        """The stream ended. A held lease stays: it lives on in the ledger until its TTL, and a
+        message about it may still be in flight."""
+        self._move("close")
+
 
 class WorkerSessions:
     """The sessions of the workers connected to this replica, one per machine id."""
@@ -346,7 +521,7 @@ class WorkerSessions:
         A held lease stays in the ledger until its TTL: the worker may come back."""
         if session.state is SessionState.CLOSED:
             return
-        session.state = SessionState.CLOSED
+        session.close()
         session.outbox.put_nowait(None)
         if self._sessions.get(session.machine.machine_id) is session:
             del self._sessions[session.machine.machine_id]
@@ -367,7 +542,7 @@ class WorkerSessions:
         return [
             s
             for s in self._sessions.values()
-            if s.state is SessionState.LEASED and s.lease is not None and s.lease.task is not None
+            if s.state is SessionState.LEASED and s.sample_lease() is not None
         ]
 
     def stop_worker(self, machine_id: str, reason: str) -> bool:
@@ -376,6 +551,6 @@ class WorkerSessions:
         session = self._sessions.get(machine_id)
         if session is None:
             return False
-        session.state = SessionState.DRAINING
+        session.drain()
         session.send(fpb.ConnectResponse(shutdown=fpb.Shutdown(reason=reason)))
         return True

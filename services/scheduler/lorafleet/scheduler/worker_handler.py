@@ -55,7 +55,13 @@ from lorafleet.scheduler.formats import (
     layout_difference,
 )
 from lorafleet.scheduler.identity import IdentityVerifiers
-from lorafleet.scheduler.sessions import ActiveLease, SessionState, WorkerSession, WorkerSessions
+from lorafleet.scheduler.sessions import (
+    SampleLease,
+    SessionState,
+    TrainingLease,
+    WorkerSession,
+    WorkerSessions,
+)
 from lorafleet.scheduler.signing import UrlSigner
 from lorafleet.scheduler.storage import ObjectStore
 from lorafleet.scheduler.sweeper import Sweeper
@@ -169,7 +175,7 @@ class WorkerHandler:
             log=source_log,
         )
         if not machine.qualified:
-            session.state = SessionState.UNQUALIFIED
+            session.disqualify()
             session.log.warning(
                 "worker failed qualification; it gets no work",
                 machine_id=machine.machine_id,
@@ -185,8 +191,9 @@ class WorkerHandler:
             answers_ping=True,
         )
         resumed: Job | None = None
-        if hello.held_lease is not None:
-            # Only the stream the lease was granted on was given its secret.
+        if hello.held_lease is not None and session.may("resume"):
+            # Only the stream the lease was granted on was given its secret. An unqualified
+            # machine resumes nothing: it gets no work, and the lease runs out its TTL.
             resumed = await self._ledger.resume_lease(
                 hello.held_lease.lease_id,
                 hello.held_lease.epoch,
@@ -195,17 +202,7 @@ class WorkerHandler:
                 secret_sha256=digest(hello.held_lease_secret),
             )
         if resumed is not None and resumed.lease_id is not None:
-            session.state = SessionState.LEASED
-            session.lease = ActiveLease(
-                job_id=resumed.job_id,
-                lease_id=resumed.lease_id,
-                epoch=resumed.epoch,
-                owner=resumed.owner,
-                urls_expire_at=0.0,
-                traceparent=resumed.traceparent or "",
-                output_format=resumed.spec.output_format,
-                max_train_steps=resumed.spec.max_train_steps,
-            )
+            session.resume(TrainingLease.from_job(resumed, traceparent=resumed.traceparent or ""))
             welcome.resumed_lease.CopyFrom(lease_proto(resumed, self._lease_ttl_s))
             log.info("lease resumed", machine_id=machine.machine_id, job_id=resumed.job_id)
         session.send(fpb.ConnectResponse(welcome=welcome))
@@ -246,31 +243,31 @@ class WorkerHandler:
     async def ready(self, session: WorkerSession, report: ReadyReport) -> None:
         """The worker waits for work: it is offered some at once, preferring what it says it
         holds (`report`)."""
-        if session.state not in (SessionState.CONNECTED, SessionState.IDLE, SessionState.LEASED):
-            return
+        if not session.may("idle"):
+            return  # draining, unqualified or closed: no work
         session.ready = report
-        if (abandoned := session.lease) is not None:
+        if (abandoned := session.idle()) is not None:
             # Ended at once in the ledger, and the machine banned from the job (or the sample
             # task): a stream holds one live lease of any kind at most, and cannot hoard jobs
-            # or tasks (or their URLs) by saying Ready again and again.
-            session.lease = None
+            # or tasks (or their URLs) by saying Ready again and again. Meanwhile a claim for
+            # this session finds nothing: the ledger skips a machine holding a live lease.
             log.info(
                 "worker abandoned its lease by saying Ready",
                 machine_id=session.machine.machine_id,
                 job_id=abandoned.job_id,
-                task_id=abandoned.task.task_id if abandoned.task is not None else "",
+                task_id=abandoned.task.task_id if isinstance(abandoned, SampleLease) else "",
             )
-            if abandoned.task is not None:
-                await self._ledger.abandon_sample_task(
-                    abandoned.lease_id, abandoned.epoch, session.machine.machine_id
-                )
-            else:
-                await self._ledger.drop_lease(
-                    session.machine.machine_id,
-                    abandoned.job_id,
-                    "the worker abandoned the lease (said Ready while holding it)",
-                )
-        session.state = SessionState.IDLE
+            match abandoned:
+                case SampleLease():
+                    await self._ledger.abandon_sample_task(
+                        abandoned.lease_id, abandoned.epoch, session.machine.machine_id
+                    )
+                case TrainingLease():
+                    await self._ledger.drop_lease(
+                        session.machine.machine_id,
+                        abandoned.job_id,
+                        "the worker abandoned the lease (said Ready while holding it)",
+                    )
         self._background.spawn(self._dispatcher.offer(session), "offer")
 
     async def notice(self, session: WorkerSession, notice: NoticeReport) -> None:
@@ -288,8 +285,7 @@ class WorkerHandler:
         )
         session.notices_suppressed = 0
         ref = notice.lease
-        training = session.lease is not None and session.lease.task is None
-        if ref is not None and session.holds(ref) and training:
+        if ref is not None and session.training_lease(ref) is not None:
             await self._ledger.record_notice(ref.lease_id, ref.epoch, notice.message)
 
     async def heartbeat(self, session: WorkerSession, hb: HeartbeatReport) -> None:
@@ -304,13 +300,13 @@ class WorkerHandler:
             # Fenced by the stream, not only by (lease, epoch): lease ids are not secret.
             self._reject(session, hb.lease, "not this stream's lease")
             return
-        if session.lease is not None and session.lease.task is not None:
+        if session.sample_lease(hb.lease) is not None:
             if not await self._ledger.heartbeat_sample_task(
                 hb.lease.lease_id, hb.lease.epoch, self._lease_ttl_s
             ):
                 self._reject(session, hb.lease, "the sample task's lease is no longer live")
             return
-        training = session.lease
+        training = session.training_lease(hb.lease)
         if training is not None and training.max_train_steps and hb.step > training.max_train_steps:
             # Progress no run of this job can report: refused like any other bad field (it
             # would show on the owner's timeline and in the holder's own pace).
@@ -334,10 +330,9 @@ class WorkerHandler:
         if not alive:
             self._reject(session, hb.lease, "the lease is no longer the job's")
             return
-        lease = session.lease
+        lease = session.training_lease(hb.lease)
         # Renew URLs once a third of their life is left, so uploads never meet an expired one.
-        renew = lease is not None and lease.urls_expire_at - now < self._url_ttl_s / 3
-        if renew and session.holds(hb.lease):
+        if lease is not None and lease.urls_expire_at - now < self._url_ttl_s / 3:
             await self._renew_urls(session)
 
     async def urls_requested(self, session: WorkerSession, req: UrlsRequest) -> None:
@@ -356,9 +351,7 @@ class WorkerHandler:
     async def checkpoint_committed(self, session: WorkerSession, msg: CheckpointReport) -> None:
         """A checkpoint stored under this stream's training lease: verified, then recorded."""
         ref, checkpoint = msg.lease, msg.checkpoint
-        lease = session.lease if session.holds(ref) else None
-        if lease is not None and lease.task is not None:
-            lease = None  # a sample task's lease commits no checkpoint
+        lease = session.training_lease(ref)  # a sample task's lease commits no checkpoint
         if lease is None:
             self._reject(session, ref, "not this stream's lease")
             return
@@ -401,8 +394,10 @@ class WorkerHandler:
             self._reject(session, ref, str(exc))
             return
         check_class_image_keys(msg.images, job.job_id, job.spec)
-        lease = session.lease
-        assert lease is not None  # _live_lease found it this stream's
+        lease = session.training_lease(ref)
+        if lease is None:  # revoked while the job was read
+            self._reject(session, ref, "not this stream's lease")
+            return
         # A repeat (a worker re-announcing after a reconnect) is not hashed again.
         images = [i for i in msg.images if i.index not in lease.announced_class_images]
         if not images:
@@ -426,9 +421,7 @@ class WorkerHandler:
 
     async def job_succeeded(self, session: WorkerSession, msg: SuccessReport) -> None:
         ref, result = msg.lease, msg.result
-        lease = session.lease if session.holds(ref) else None
-        if lease is not None and lease.task is not None:
-            lease = None  # a sample task's lease stores no result
+        lease = session.training_lease(ref)  # a sample task's lease stores no result
         if lease is None:
             self._reject(session, ref, "not this stream's lease")
             return
@@ -444,10 +437,10 @@ class WorkerHandler:
                 ) or not await self._result_in_format(session, ref, stored.key, stored.size_bytes):
                     span.set_attribute("lorafleet.refused", True)
                     return
-            # Cleared before the ledger call: its NOTIFY must not revoke what the worker just
-            # finished.
-            session.lease = None
-            session.state = SessionState.CONNECTED
+            # Ended before the ledger call: its NOTIFY must not revoke what the worker just
+            # finished. (A revocation while the files were verified ended it already, and the
+            # ledger refuses the result below.)
+            session.end_lease(lease)
             job = await self._ledger.succeed_job(
                 ref.lease_id, ref.epoch, result, step=msg.step, loss=msg.loss
             )
@@ -461,14 +454,13 @@ class WorkerHandler:
 
     async def job_failed(self, session: WorkerSession, msg: FailureReport) -> None:
         ref = msg.lease
-        if not session.holds(ref):
+        if (task_lease := session.sample_lease(ref)) is not None:
+            await self._sample_task_failed(session, task_lease, msg.failure_class, msg.message)
+            return
+        if (lease := session.training_lease(ref)) is None:
             self._reject(session, ref, "not this stream's lease")
             return
-        if session.lease is not None and session.lease.task is not None:
-            await self._sample_task_failed(session, ref, msg.failure_class, msg.message)
-            return
-        session.lease = None
-        session.state = SessionState.CONNECTED
+        session.end_lease(lease)
         job = await self._ledger.fail_attempt(
             ref.lease_id, ref.epoch, msg.failure_class, msg.message
         )
@@ -494,20 +486,20 @@ class WorkerHandler:
     async def draining(self, session: WorkerSession, msg: DrainingReport) -> None:
         """The worker is leaving: it gets no more work, and its lease goes back to the queue at
         once (without waiting out the TTL)."""
-        session.state = SessionState.DRAINING
+        session.drain()
         metrics.DRAINS.inc()
         ref = msg.lease
         if ref is None:
             return
-        if not session.holds(ref):
-            self._reject(session, ref, "not this stream's lease")
-            return
-        if session.lease is not None and session.lease.task is not None:
-            session.lease = None
+        if (task_lease := session.sample_lease(ref)) is not None:
+            session.end_lease(task_lease)
             if not await self._ledger.drain_sample_task(ref.lease_id, ref.epoch):
                 self._reject(session, ref, "the sample task's lease is no longer live")
             return
-        session.lease = None
+        if (lease := session.training_lease(ref)) is None:
+            self._reject(session, ref, "not this stream's lease")
+            return
+        session.end_lease(lease)
         job = await self._ledger.drain_lease(ref.lease_id, ref.epoch, msg.reason)
         if job is None:
             self._reject(session, ref, "the lease is no longer the job's")
@@ -520,19 +512,17 @@ class WorkerHandler:
     async def samples_stored(self, session: WorkerSession, msg: SamplesReport) -> None:
         """A sample task's images, each verified in the store, end the task."""
         ref, images = msg.lease, msg.images
-        lease = session.lease if session.holds(ref) else None
-        task = lease.task if lease is not None else None
-        if lease is None or task is None:
+        lease = session.sample_lease(ref)
+        if lease is None:
             self._reject(session, ref, "not this stream's sample task")
             return
-        check_stored_images(images, task)
+        check_stored_images(images, lease.task)
         for image in images:
             if not await self._stored_as_announced(
                 session, ref, image.key, image.size_bytes, image.sha256
             ):
                 return
-        session.lease = None
-        session.state = SessionState.CONNECTED
+        session.end_lease(lease)  # a revocation meanwhile ended it already: the ledger refuses
         done = await self._ledger.complete_sample_task(ref.lease_id, ref.epoch, list(images))
         if done is None:
             self._reject(session, ref, "the sample task's lease is no longer live")
@@ -560,18 +550,16 @@ class WorkerHandler:
             epoch=ref.epoch,
             reason=reason,
         )
-        if session.holds(ref):
-            session.lease = None
-            if session.state is SessionState.LEASED:
-                session.state = SessionState.CONNECTED
+        if session.holds(ref) and session.lease is not None:
+            session.end_lease(session.lease)
         session.send(
             fpb.ConnectResponse(rejected=fpb.Rejected(lease=lease_ref_to_proto(ref), reason=reason))
         )
 
     async def _live_lease(self, session: WorkerSession, ref: LeaseRef) -> Job:
         """The job, if `ref` is its live lease; else refuse the message (fencing)."""
-        training = session.lease is not None and session.lease.task is None
-        job_id = session.lease.job_id if session.holds(ref) and session.lease and training else None
+        lease = session.training_lease(ref)
+        job_id = lease.job_id if lease is not None else None
         job = await self._ledger.get_job_any_owner(job_id) if job_id else None
         if job is None or job.lease_id != ref.lease_id or job.epoch != ref.epoch:
             raise StaleLease(f"lease {ref.lease_id} epoch {ref.epoch} is not live")
@@ -594,7 +582,7 @@ class WorkerHandler:
         return False
 
     async def _checkpoint_in_format(
-        self, session: WorkerSession, ref: LeaseRef, lease: ActiveLease, checkpoint: Checkpoint
+        self, session: WorkerSession, ref: LeaseRef, lease: TrainingLease, checkpoint: Checkpoint
     ) -> bool:
         """A checkpoint the store verified is recorded only if it is a checkpoint bundle whose
         tensors (names and shapes) are those of this lease's earlier checkpoints. Only this
@@ -647,10 +635,10 @@ class WorkerHandler:
         self._reject(session, ref, f"the stored object {key} is refused: {why}")
 
     async def _sample_task_failed(
-        self, session: WorkerSession, ref: LeaseRef, failure_class: FailureClass, message: str
+        self, session: WorkerSession, lease: SampleLease, failure_class: FailureClass, message: str
     ) -> None:
-        session.lease = None
-        session.state = SessionState.CONNECTED
+        ref = lease.ref()
+        session.end_lease(lease)
         task = await self._ledger.fail_sample_task(ref.lease_id, ref.epoch, failure_class, message)
         if task is None:
             self._reject(session, ref, "the sample task's lease is no longer live")
@@ -672,8 +660,8 @@ class WorkerHandler:
 
     async def _renew_urls(self, session: WorkerSession) -> None:
         """Fresh URLs for a training lease (after a resume, or a third of their life left)."""
-        lease = session.lease
-        if lease is None or lease.task is not None:
+        lease = session.training_lease()
+        if lease is None:
             return
         job = await self._ledger.get_job_any_owner(lease.job_id)
         if job is None or job.lease_id != lease.lease_id:
