@@ -43,7 +43,7 @@ class WorkerConfig(ServiceSettings):
     """Everything one worker process needs; built once, never mutated.
 
     (Checkpoint memory is bounded by design: one snapshot uploading, one waiting; see
-    `lease_runner.CheckpointPipeline`.)
+    `uploads.CheckpointPipeline`.)
     """
 
     # The retry policy of uploads and downloads: tuned by tests, not an operator's option.

@@ -26,7 +26,7 @@ import structlog
 from lorafleet.core.serde import FAILURE_CLASSES, sample_settings_from_proto, spec_from_proto
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.worker.config import WorkerConfig
-from lorafleet.worker.lease_runner import (
+from lorafleet.worker.lease import (
     LeaseLink,
     LeaseLost,
     LeaseResult,
