@@ -225,7 +225,9 @@ async def test_priority_wins_over_warmth(fleet: Fleet) -> None:
         assert await granted_job(m1, warm(shapes=(shape_b,))) == urgent.job_id
 
 
-@pytest.mark.parametrize("scheduler_overrides", [{"warm_dispatch_bound_s": 600.0}])
+@pytest.mark.parametrize(
+    "scheduler_overrides", [{"warm_dispatch_bound_s": 600.0, "fleet_max_vram_mb": 204_800}]
+)
 async def test_a_worker_lying_about_its_warm_state_only_changes_which_job_it_gets(
     fleet: Fleet, database_url: str
 ) -> None:

@@ -385,6 +385,8 @@ async def test_unqualified_worker_gets_no_work(fleet: Fleet) -> None:
         await good.ready_for_lease()
 
 
+# A fleet that runs 80 GB nodes: a job asking for 40 GB is one it can hold (core/fit.py).
+@pytest.mark.parametrize("scheduler_overrides", [{"fleet_max_vram_mb": 81_920}])
 async def test_vram_requirement(fleet: Fleet) -> None:
     job = await fleet.alice.submit(min_vram_mb=40_000)
     async with (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import grpc
 
+from lorafleet.core.families import FAMILIES
 from lorafleet.core.identity import local_identity_token
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
@@ -126,10 +127,12 @@ async def connect_worker(
     qualified: bool = True,
     identity: fpb.ProviderIdentity | None = None,
     gpu_model: str = "NVIDIA H200",
+    families: Sequence[str] = FAMILIES,
 ) -> AsyncIterator[ScriptedWorker]:
     """A scripted worker stream. By default it presents what the machine's previous stream was
     given (session token, the held lease's secret); pass values to act as someone else.
-    `identity`: the provider's proof of the machine id (none: an unverified machine)."""
+    `identity`: the provider's proof of the machine id (none: an unverified machine).
+    `families`: the model families it says it serves (every one, as a current worker)."""
     stub = fgrpc.WorkerServiceStub(channel)
     call = stub.Connect(metadata=(("authorization", f"Bearer {token}"),))
     worker = ScriptedWorker(machine_id=machine_id, call=call)
@@ -140,6 +143,7 @@ async def connect_worker(
         vram_mb=vram_mb,
         qualification=fpb.Qualification(passed=qualified, detail="scripted"),
         version="test",
+        families=list(families),
     )
     if identity is not None:
         hello.identity.CopyFrom(identity)

@@ -12,6 +12,7 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from lorafleet.core.errors import InvalidArgument
+from lorafleet.core.families import DEFAULT_FAMILY, FAMILIES
 from lorafleet.core.model import (
     Checkpoint,
     ClassImage,
@@ -381,6 +382,7 @@ MAX_VRAM_MB = 16 * 1024 * 1024
 
 def machine_from_hello(hello: fpb.Hello) -> Machine:
     if not MACHINE_ID.fullmatch(hello.machine_id):
+MAX_FAMILIES = 32
         raise InvalidArgument("hello.machine_id", "must match [A-Za-z0-9_.:@-]{1,128}")
     if not 0 <= hello.vram_mb <= MAX_VRAM_MB:
         raise InvalidArgument("hello.vram_mb", f"must be 0..{MAX_VRAM_MB}")
@@ -397,6 +399,11 @@ def machine_from_hello(hello: fpb.Hello) -> Machine:
         machine_id=hello.machine_id,
         provider_instance_id=hello.provider_instance_id,
         gpu_model=hello.gpu_model,
+    if len(hello.families) > MAX_FAMILIES:
+        raise InvalidArgument("hello.families", f"at most {MAX_FAMILIES} families")
+    # A family this scheduler does not know (a newer worker's) is no job it could be offered;
+    # none named is a worker from before families, which trains sdxl only.
+    families = tuple(f for f in dict.fromkeys(hello.families) if f in FAMILIES)
         vram_mb=hello.vram_mb,
         qualified=hello.qualification.passed,
         version=hello.version,
@@ -404,6 +411,7 @@ def machine_from_hello(hello: fpb.Hello) -> Machine:
 
 
 def identity_proof_from_hello(hello: fpb.Hello) -> IdentityProof:
+        families=families if hello.families else (DEFAULT_FAMILY,),
     """Sizes are bounded by the identity module, which also says what a bad proof is."""
     proof = hello.identity
     return IdentityProof(

@@ -214,12 +214,17 @@ class Hello(_message.Message):
     HELD_LEASE_SECRET_FIELD_NUMBER: _builtins.int
     SESSION_TOKEN_FIELD_NUMBER: _builtins.int
     IDENTITY_FIELD_NUMBER: _builtins.int
+    FAMILIES_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     """SALAD_MACHINE_ID or configuration; bans attach to it."""
     provider_instance_id: _builtins.str
     """SALAD_CONTAINER_GROUP_INSTANCE_ID / spot VM id: what the scaler reallocates."""
     gpu_model: _builtins.str
     vram_mb: _builtins.int
+    """Memory a job's model and activations can use, in MiB: the GPU's, or on a CPU worker the
+    host's. The scheduler grants only jobs whose memory need (the spec's min_vram_mb or the
+    family's estimate, the larger) fits it.
+    """
     version: _builtins.str
     """The worker's lorafleet version."""
     held_lease_secret: _builtins.str
@@ -240,6 +245,13 @@ class Hello(_message.Message):
         unverified: refused where the scheduler requires a proof, and never acted on by the scaler.
         """
 
+    @_builtins.property
+    def families(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The model families its trainer serves (lorafleet.core.families.FAMILIES: "sdxl", "flux",
+        "flux2"): it is offered jobs of these only. Empty: a worker from before families, which
+        trains sdxl only. Names the scheduler does not know are ignored (a newer worker's).
+        """
+
     def __init__(
         self,
         *,
@@ -253,10 +265,11 @@ class Hello(_message.Message):
         held_lease_secret: _builtins.str = ...,
         session_token: _builtins.str = ...,
         identity: Global___ProviderIdentity | None = ...,
+        families: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["held_lease", b"held_lease", "identity", b"identity", "qualification", b"qualification"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_model", b"gpu_model", "held_lease", b"held_lease", "held_lease_secret", b"held_lease_secret", "identity", b"identity", "machine_id", b"machine_id", "provider_instance_id", b"provider_instance_id", "qualification", b"qualification", "session_token", b"session_token", "version", b"version", "vram_mb", b"vram_mb"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["families", b"families", "gpu_model", b"gpu_model", "held_lease", b"held_lease", "held_lease_secret", b"held_lease_secret", "identity", b"identity", "machine_id", b"machine_id", "provider_instance_id", b"provider_instance_id", "qualification", b"qualification", "session_token", b"session_token", "version", b"version", "vram_mb", b"vram_mb"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -480,6 +493,13 @@ Global___UrlsRequested: _TypeAlias = UrlsRequested  # noqa: Y015
 
 @_typing.final
 class CheckpointCommitted(_message.Message):
+    """A checkpoint the worker has stored (its upload committed) at `key`. Nothing is recorded yet
+    when it is sent: the scheduler records it in the ledger only once the store holds exactly
+    these bytes in the checkpoint format, under the live lease, and refuses it (Rejected)
+    otherwise (docs/DESIGN.md, "How a checkpoint reaches the ledger"). The name is kept for
+    the wire's sake; read it as "checkpoint stored".
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     LEASE_FIELD_NUMBER: _builtins.int

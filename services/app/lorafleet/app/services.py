@@ -47,11 +47,14 @@ async def run_scheduler(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(scheduler.close()))
-        print(
-            f"scheduler listening on port {scheduler.port}; worker token in"
-            f" {config.data_dir / 'worker-token'}",
-            file=sys.stderr,
+        # The token was given (LORAFLEET_WORKER_TOKEN or --worker-token), or generated and
+        # kept in the data directory: say which, never pointing at a file that does not exist.
+        token_from = (
+            "worker token from LORAFLEET_WORKER_TOKEN / --worker-token"
+            if config.worker_token
+            else f"worker token in {config.data_dir / 'worker-token'}"
         )
+        print(f"scheduler listening on port {scheduler.port}; {token_from}", file=sys.stderr)
         await scheduler.wait()
     return 0
 

@@ -27,6 +27,8 @@ from typing import Any
 import asyncpg
 
 from lorafleet.core.errors import LedgerUnavailable, LorafleetError
+from lorafleet.core.families import FAMILIES
+from lorafleet.core.fit import vram_need_mb
 from lorafleet.core.model import (
     Checkpoint,
     ClassImage,
@@ -438,11 +440,20 @@ class Quarantine:
 class Ledger:
     """All reads and writes of the job ledger. Create with `await Ledger.connect(url)`."""
 
-    def __init__(self, pool: asyncpg.Pool, *, quarantine: Quarantine | None = None) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        quarantine: Quarantine | None = None,
+        fleet_max_vram_mb: int = 0,
+    ) -> None:
         self._pool = pool
         self.quarantine = quarantine or Quarantine()
 
     @classmethod
+        # The largest node class the fleet runs (MiB; 0: not configured; fail_attempt's $6):
+        # what a node smaller than it cannot hold, a larger one may.
+        self.fleet_max_vram_mb = fleet_max_vram_mb
     async def connect(
         cls,
         dsn: str,
@@ -452,6 +463,7 @@ class Ledger:
         quarantine: Quarantine | None = None,
     ) -> Ledger:
         try:
+        fleet_max_vram_mb: int = 0,
             pool = await asyncpg.create_pool(
                 dsn, min_size=min_size, max_size=max_size, init=_init_connection
             )
@@ -461,7 +473,7 @@ class Ledger:
                 raise
             raise translated from exc
         assert pool is not None
-        return cls(pool, quarantine=quarantine)
+        return cls(pool, quarantine=quarantine, fleet_max_vram_mb=fleet_max_vram_mb)
 
     async def close(self) -> None:
         await self._pool.close()
@@ -602,7 +614,8 @@ class Ledger:
                 [j.idempotency_key for j in jobs],
                 [j.spec.to_dict() for j in jobs],
                 [j.spec.priority for j in jobs],
-                [j.spec.min_vram_mb for j in jobs],
+                # The job's memory need, which claims filter by: the spec's or the estimate.
+                [vram_need_mb(j.spec) for j in jobs],
                 [j.spec.max_failures for j in jobs],
                 [j.spec.max_train_steps for j in jobs],
                 [dict(j.spec.labels) for j in jobs],
@@ -613,6 +626,8 @@ class Ledger:
                 [j.spec.adapter_shape_key for j in jobs],
             )
             by_id = {str(r["job_id"]): job_from_row(r) for r in rows}
+                [j.spec.family for j in jobs],
+                [j.spec.shape.key for j in jobs],
             by_key: dict[str, Job] = {}
             reused = [
                 j.idempotency_key for j in jobs if j.idempotency_key and j.job_id not in by_id
@@ -624,7 +639,8 @@ class Ledger:
 
     async def fill_warm_keys(self, batch: int = 1000) -> int:
         """Computes the warm keys of unfinished jobs submitted before the ledger had them
-        (0016, 0019), from the one definition (JobSpec); returns how many it filled."""
+        (0016, 0019), and the shape key of every job from before 0020, from the one definition
+        (JobSpec); returns how many it filled."""
         filled = 0
         while rows := await self._fetch("jobs_without_warm_keys", batch):
             specs = [(r["job_id"], JobSpec.from_dict(r["spec"])) for r in rows]
@@ -636,6 +652,7 @@ class Ledger:
                 [spec.adapter_shape_key for _, spec in specs],
             )
             filled += len(rows)
+                [spec.shape.key for _, spec in specs],
         return filled
 
     async def get_job(self, job_id: str, owner: str) -> Job | None:
@@ -688,8 +705,10 @@ class Ledger:
         warm_bound_s: float = 0.0,
     ) -> Job | None:
         """Grants the best claimable job a new lease whose secret has this digest; nothing to
-        a quarantined machine (`self.quarantine`). Prefers a job the worker is `warm` for,
-        unless a job has waited `warm_bound_s` (0: strict queue order)."""
+        families: Sequence[str] = FAMILIES,
+        a quarantined machine (`self.quarantine`). Only a job whose memory need fits `vram_mb`
+        and whose family is one of `families` (the worker's Hello). Prefers a job the worker is
+        `warm` for, unless a job has waited `warm_bound_s` (0: strict queue order)."""
         q = self.quarantine
         warm = warm or WarmState()
         row = await self._fetchrow(
@@ -708,6 +727,7 @@ class Ledger:
             list(warm.adapter_shapes),
         )
         return None if row is None else job_from_row(row)
+            list(families),
 
     async def resume_lease(
         self,
@@ -856,7 +876,13 @@ class Ledger:
     # Sample tasks -------------------------------------------------------------------
 
     async def claim_sample_task(
-        self, machine_id: str, vram_mb: int, lease_ttl_s: float, *, secret_sha256: bytes
+        self,
+        machine_id: str,
+        vram_mb: int,
+        lease_ttl_s: float,
+        *,
+        secret_sha256: bytes,
+        families: Sequence[str] = FAMILIES,
     ) -> SampleTask | None:
         q = self.quarantine
         row = await self._fetchrow(
@@ -872,8 +898,11 @@ class Ledger:
         )
         return None if row is None else sample_task_from_row(row)
 
-    async def training_claimable(self, machine_id: str, vram_mb: int) -> bool:
-        row = await self._fetchrow("training_claimable", machine_id, vram_mb)
+            list(families),
+    async def training_claimable(
+        self, machine_id: str, vram_mb: int, families: Sequence[str] = FAMILIES
+    ) -> bool:
+        row = await self._fetchrow("training_claimable", machine_id, vram_mb, list(families))
         return bool(row is not None and row[0])
 
     async def heartbeat_sample_task(self, lease_id: str, epoch: int, lease_ttl_s: float) -> bool:

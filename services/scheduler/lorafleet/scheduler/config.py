@@ -273,6 +273,16 @@ class SchedulerConfig(ServiceSettings):
         validation_alias=AliasChoices("LORAFLEET_TLS_KEY", "LORAFLEET_TLS_KEY_FILE"),
         description="PEM private key for --tls-cert-file",
     )
+    fleet_max_vram_mb: int = Field(
+        24_576,
+        ge=0,
+        le=16 * 1024 * 1024,
+        description="accelerator memory of the largest node class the fleet runs, in MiB: a job"
+        " whose memory need (its min_vram_mb, or the family's estimate for its shape, the larger)"
+        " exceeds it is refused at submit, naming the field that would make it fit (judged from"
+        " this, not the nodes connected: a fleet scaled to zero has none). Default: the 24 GB"
+        " RTX 3090/4090 class; 0: no check (jobs no node can hold wait in the queue)",
+    )
     price_per_gpu_hour: float = Field(
         0.0,
         ge=0,

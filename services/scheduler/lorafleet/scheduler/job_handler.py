@@ -15,6 +15,7 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from lorafleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from lorafleet.core.fit import check_fits_fleet
 from lorafleet.core.model import (
     MIN_PLAUSIBLE_S_PER_STEP,
     Job,
@@ -125,8 +126,10 @@ class JobHandler:
         estimate_min_machines: int = 3,
         estimate_prior_s_per_step: float = PRIOR_S_PER_STEP,
         min_plausible_s_per_step: float = MIN_PLAUSIBLE_S_PER_STEP,
+        fleet_max_vram_mb: int = 0,
     ) -> None:
         self._price_per_gpu_hour = price_per_gpu_hour
+        self._fleet_max_vram_mb = fleet_max_vram_mb
         self._estimate_window_s = estimate_window_s
         self._estimate_min_machines = estimate_min_machines
         self._estimate_prior_s_per_step = estimate_prior_s_per_step
@@ -153,6 +156,8 @@ class JobHandler:
                 )
             if sub.spec.webhook_url:
                 self._webhook_policy.check_url(sub.spec.webhook_url, f"{prefix}.webhook.url")
+            # A job no node of the fleet can hold would wait in the queue for ever.
+            check_fits_fleet(sub.spec, self._fleet_max_vram_mb, prefix=prefix)
             # A relative local path can never name the same folder on a worker: refused here,
             # before it becomes a job that could only fail on the fleet.
             for field in ("base_model", "vae_model"):

@@ -167,6 +167,7 @@ class Scheduler(AsyncLifecycle):
                 window_s=cfg.quarantine_window_s,
                 empty_lease_limit=cfg.quarantine_empty_leases,
             ),
+            fleet_max_vram_mb=cfg.fleet_max_vram_mb,
         )
         if filled := await self._ledger.fill_warm_keys():
             log.info("warm keys computed for jobs submitted before warm dispatch", jobs=filled)
@@ -236,6 +237,7 @@ class Scheduler(AsyncLifecycle):
             estimate_min_machines=cfg.estimate_min_machines,
             estimate_prior_s_per_step=cfg.estimate_prior_s_per_step,
             min_plausible_s_per_step=cfg.min_plausible_seconds_per_step,
+            fleet_max_vram_mb=cfg.fleet_max_vram_mb,
         )
         background = BackgroundTasks()
         self._dispatcher = Dispatcher(

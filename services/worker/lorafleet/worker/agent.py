@@ -22,6 +22,12 @@ States and transitions (`State`, `TRANSITIONS`; any other transition is a bug an
   by the shared rule (`lorafleet.core.retry.backoff_delay`: exponential, full jitter), bounded
   by `reconnect_max_backoff_s`. A lease keeps training
   meanwhile; only its messages wait.
+* Liveness: where the Welcome says the scheduler answers pings (`answers_ping`), the agent
+  pings every quarter of its silence bound (`scheduler_silence_s`, at most a third of the lease
+  TTL) and takes a stream that brought no message for the whole bound as lost: a frozen replica
+  (its kernel still accepts connections and answers HTTP/2 keepalive) or a path a middlebox
+  keeps open. It reconnects, through the load balancer, long before the lease could expire. A
+  reconnect is routine: one INFO line ("reconnected", with why and how long it took).
 * IDLE: says Ready once it is free (a revoked lease's thread has stopped), then waits: work is
   pushed. Heartbeats with an empty lease keep the machine seen.
 * LEASED: a `LeaseRunner` runs the lease; heartbeats carry its latest progress only. When it ends
@@ -66,6 +72,7 @@ from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
 from lorafleet.core import __version__
 from lorafleet.core.errors import LorafleetError
+from lorafleet.core.families import FAMILIES
 from lorafleet.core.lifecycle import AsyncLifecycle
 from lorafleet.core.retry import backoff_delay
 from lorafleet.core.serde import MAX_CHECKPOINT_COST_S
@@ -142,6 +149,11 @@ class _Session:
         # Set when the read side ended (EOF after our half-close, or an error).
         self.closed = asyncio.Event()
         self.heartbeat_interval_s = 10.0
+        # Loop time of the last message read from the scheduler (the liveness check).
+        self.last_heard = asyncio.get_running_loop().time()
+        self.answers_ping = False
+        # Why the stream ended, for the "reconnected" line.
+        self.lost_because = ""
         self._writer = asyncio.get_running_loop().create_task(self._write_loop())
 
     def send(self, message: fpb.ConnectRequest) -> None:
@@ -228,6 +240,11 @@ class Agent(AsyncLifecycle):
         self._session_token = ""
         # The scheduler's Welcome says how long a silent lease lives; reconnects stay below it.
         self._announced_lease_ttl_s: float | None = None
+        # Set when a welcomed stream ends (loop time, why): the next Welcome logs the reconnect.
+        self._lost_at: tuple[float, str] | None = None
+        # The replica of the current (or last) stream, as its Welcome named it.
+        self.scheduler_id = ""
+        self._ping_nonce = 0
         self._lease_secrets: dict[str, str] = {}
         self._transfer = TransferClient(config.transfer)
         self._training = TrainingThread(name=f"lorafleet-training-{config.machine_id}")
@@ -450,6 +467,16 @@ class Agent(AsyncLifecycle):
             bound = min(bound, self._announced_lease_ttl_s / 3)
         return max(bound, self.config.reconnect_initial_backoff_s)
 
+    @property
+    def silence_bound_s(self) -> float:
+        """How long a stream may bring nothing before it is taken as lost: the configured
+        bound, and never more than a third of the announced lease TTL, so the worker notices,
+        reconnects and resumes its lease (several tries) before the lease could expire."""
+        bound = self.config.scheduler_silence_s
+        if self._announced_lease_ttl_s is not None:
+            bound = min(bound, self._announced_lease_ttl_s / 3)
+        return bound
+
     async def _connection_loop(self) -> None:
         attempt = 0
         while not self._finished.is_set():
@@ -492,7 +519,13 @@ class Agent(AsyncLifecycle):
 
     def _channel(self) -> grpc.aio.Channel:
         options = [
-            # Detects a dead path within ~40 s even when no heartbeat is due.
+            # Each channel its own connection. gRPC otherwise shares one subchannel (one TCP
+            # connection) among channels with the same target and options, so a "fresh"
+            # channel after a frozen replica went quiet would reuse the very connection that
+            # went quiet, and a load balancer would never get to pick another replica.
+            ("grpc.use_local_subchannel_pool", 1),
+            # HTTP/2 keepalive finds a dead path that no one answers; a frozen replica's kernel
+            # or a middlebox may answer it, hence the Ping/Pong check (`_liveness_loop`).
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
@@ -519,6 +552,8 @@ class Agent(AsyncLifecycle):
             vram_mb=qualification.vram_mb,
             qualification=qualification.to_proto(),
             version=__version__,
+            # Every family its trainer knows: it is offered jobs of these only.
+            families=list(FAMILIES),
         )
         # The previous stream's token: this machine id stays ours across the reconnect.
         hello.session_token = self._session_token
@@ -554,8 +589,13 @@ class Agent(AsyncLifecycle):
         hello = self._hello()
         hello.identity.CopyFrom(await fetch_identity(self.config))
         session.send(fpb.ConnectRequest(hello=hello))
+        welcome_timeout_s = self.config.welcome_timeout_s
+        if self._lost_at is not None:
+            # A reconnect: the replica the load balancer chose may be the frozen one again;
+            # try another after the silence bound rather than the first connection's patience.
+            welcome_timeout_s = min(welcome_timeout_s, self.silence_bound_s)
         try:
-            async with asyncio.timeout(self.config.welcome_timeout_s):
+            async with asyncio.timeout(welcome_timeout_s):
                 first = await call.read()
         except grpc.aio.AioRpcError as exc:
             await session.close()
@@ -576,6 +616,8 @@ class Agent(AsyncLifecycle):
         )
         if first.welcome.lease_ttl_s > 0:
             self._announced_lease_ttl_s = float(first.welcome.lease_ttl_s)
+        session.answers_ping = first.welcome.answers_ping
+        session.last_heard = asyncio.get_running_loop().time()
         self._session = session
         self._on_welcome(session, first.welcome)
         return session
@@ -588,12 +630,16 @@ class Agent(AsyncLifecycle):
         reader = loop.create_task(self._read_loop(session))
         heartbeat = loop.create_task(self._heartbeat_loop(session))
         finished = loop.create_task(self._finished.wait())
+        liveness = loop.create_task(self._liveness_loop(session))
+        tasks = (heartbeat, finished, liveness, reader)
         try:
-            await asyncio.wait([reader, finished], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([reader, finished, liveness], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (heartbeat, finished, reader):
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(heartbeat, finished, reader, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if not self._finished.is_set():
+                self._lost_at = (loop.time(), session.lost_because or "the stream ended")
             await session.close()
             if self._session is session:
                 self._session = None
@@ -604,14 +650,35 @@ class Agent(AsyncLifecycle):
             while True:
                 message = await session.call.read()
                 if message is grpc.aio.EOF:
-                    self._log.info("stream ended by the scheduler")
+                    session.lost_because = "the scheduler ended the stream"
                     return
+                session.last_heard = asyncio.get_running_loop().time()
                 self._dispatch(session, message)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() is not grpc.StatusCode.CANCELLED:
-                self._log.warning("stream lost", code=exc.code().name, details=exc.details())
+            # Said once, at INFO, in the "reconnected" line: a replica restarting or a load
+            # balancer moving streams is routine.
+            session.lost_because = f"{exc.code().name}: {exc.details()}"[:200]
         finally:
             session.closed.set()
+
+    async def _liveness_loop(self, session: _Session) -> None:
+        """Returns (ending the stream) once the scheduler has said nothing for the silence
+        bound, though pinged every quarter of it. Runs only where the Welcome said the
+        scheduler answers pings."""
+        if not session.answers_ping:
+            await asyncio.Event().wait()  # an older scheduler: the stream and keepalive alone
+        loop = asyncio.get_running_loop()
+        while True:
+            bound = self.silence_bound_s
+            silent_s = loop.time() - session.last_heard
+            if silent_s >= bound:
+                session.lost_because = (
+                    f"no answer from the scheduler for {silent_s:.1f} s (bound {bound:g} s)"
+                )
+                return
+            self._ping_nonce += 1
+            session.send(fpb.ConnectRequest(ping=fpb.Ping(nonce=self._ping_nonce)))
+            await asyncio.sleep(min(bound / 4, bound - silent_s))
 
     async def _heartbeat_loop(self, session: _Session) -> None:
         while True:
@@ -654,22 +721,43 @@ class Agent(AsyncLifecycle):
                 self._notify()
         elif kind == "shutdown":
             self.drain(f"scheduler shutdown: {message.shutdown.reason}")
+        elif kind == "pong":
+            pass  # `last_heard` moved: that is all a Pong is for
         else:
             self._log.warning("unexpected message from the scheduler", kind=kind)
 
     def _on_welcome(self, session: _Session, welcome: fpb.Welcome) -> None:
         self._session_token = welcome.session_token
+        self.scheduler_id = welcome.scheduler_id
         resumed = welcome.resumed_lease
         runner = self._runner
         terminal = self._unconfirmed()
         # Whatever it was, this Welcome settles it: re-sent below, or the scheduler has it.
         self._terminal = None
-        self._log.info(
-            "connected",
-            scheduler_id=welcome.scheduler_id,
-            heartbeat_interval_s=session.heartbeat_interval_s,
-            resumed_lease=resumed.lease_id or None,
-        )
+        lease_ids: dict[str, object] = {}
+        if runner is not None and runner.holds_lease:
+            lease_ids = dict(
+                job_id=runner.job_id, lease_id=runner.ref.lease_id, epoch=runner.ref.epoch
+            )
+        if self._lost_at is None:
+            self._log.info(
+                "connected",
+                scheduler_id=welcome.scheduler_id,
+                heartbeat_interval_s=session.heartbeat_interval_s,
+                resumed_lease=resumed.lease_id or None,
+                **lease_ids,
+            )
+        else:
+            lost_at, why = self._lost_at
+            self._lost_at = None
+            self._log.info(
+                "reconnected",
+                scheduler_id=welcome.scheduler_id,
+                after=why,
+                down_s=round(asyncio.get_running_loop().time() - lost_at, 3),
+                resumed=bool(resumed.lease_id),
+                **lease_ids,
+            )
         if runner is not None and runner.holds_lease:
             if same_lease(runner.ref, resumed.lease_id, resumed.epoch):
                 runner.reconnected()  # what it asked on the old stream, it asks again now

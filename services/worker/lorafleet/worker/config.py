@@ -82,6 +82,15 @@ class WorkerConfig(ServiceSettings):
     welcome_timeout_s: float = Field(
         30.0, gt=0, description="how long Hello may wait for Welcome before the attempt fails"
     )
+    scheduler_silence_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="seconds a stream may go without any answer from the scheduler (it answers"
+        " the worker's pings) before the worker takes the replica or the path as gone and"
+        " reconnects; never more than a third of the lease TTL. Also bounds the wait for"
+        " Welcome on a reconnect",
+    )
     default_heartbeat_interval_s: float = Field(
         10.0, gt=0, description="heartbeat interval until the scheduler's Welcome names one"
     )

@@ -99,6 +99,22 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
+def total_host_memory_mb() -> int:
+    """MemTotal from /proc/meminfo (Linux), else physical pages: a CPU worker's model and
+    activations live in host memory, so this is the memory it announces for jobs (Hello.vram_mb)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // _MIB
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def free_host_memory_mb() -> int:
     """MemAvailable from /proc/meminfo (Linux), else free physical pages."""
     try:
@@ -213,6 +229,9 @@ def probe(config: WorkerConfig) -> QualificationResult:
                     "pass --allow-cpu (LORAFLEET_ALLOW_CPU=1) to train on the CPU"
                 )
             compute = _matmul_check(torch, torch.device("cpu"), _CPU_MATMUL_N, torch.float32)
+            # On a CPU the job's memory is the host's: announcing 0 would make the worker
+            # eligible only for jobs that need nothing, however much memory it has.
+            vram_mb = total_host_memory_mb()
     except Exception as exc:  # a broken driver or install is exactly what the probe is for
         problems.append(f"compute check crashed: {type(exc).__name__}: {exc}"[:500])
 

@@ -105,23 +105,24 @@ SELECT key_id, owner, created_at, revoked_at, webhook_url FROM api_keys ORDER BY
 -- name: insert_jobs
 -- $1 owner; then one array per column, one element per job; $11 the submitting API key; $12,
 -- $13 and $14 the spec's warm keys (JobSpec.resident_key, compiled_shape_key,
--- adapter_shape_key). Rows whose
+-- adapter_shape_key); $15 its family, $16 its shape key (JobSpec.family, shape.key). $6 is the
+-- job's memory need (core/fit.py), not only the spec's min_vram_mb. Rows whose
 -- idempotency key the owner already used are skipped here and read back by
 -- get_jobs_by_idempotency_key.
 WITH input AS (
     SELECT * FROM unnest($2::uuid[], $3::text[], $4::jsonb[], $5::int[], $6::int[], $7::int[],
                          $8::int[], $9::jsonb[], $10::text[], $12::text[], $13::text[],
-                         $14::text[])
+                         $14::text[], $15::text[], $16::text[])
         AS t (job_id, idempotency_key, spec, priority, min_vram_mb, max_failures,
               max_train_steps, labels, traceparent, resident_key, compiled_shape_key,
-              adapter_shape_key)
+              adapter_shape_key, family, shape_key)
 ), inserted AS (
     INSERT INTO jobs (job_id, owner, idempotency_key, spec, state, priority, min_vram_mb,
                       max_failures, max_train_steps, labels, traceparent, api_key_id,
-                      resident_key, compiled_shape_key, adapter_shape_key)
+                      resident_key, compiled_shape_key, adapter_shape_key, family, shape_key)
     SELECT job_id, $1, NULLIF(idempotency_key, ''), spec, 'QUEUED', priority, min_vram_mb,
            max_failures, max_train_steps, labels, NULLIF(traceparent, ''), $11,
-           resident_key, compiled_shape_key, adapter_shape_key
+           resident_key, compiled_shape_key, adapter_shape_key, family, shape_key
     FROM input
     ON CONFLICT (owner, idempotency_key) DO NOTHING
     RETURNING *
@@ -132,18 +133,21 @@ WITH input AS (
 SELECT * FROM inserted;
 
 -- name: jobs_without_warm_keys
--- Unfinished jobs submitted before 0016 or 0019 (their warm keys are computed from the spec in
--- Python).
+-- Unfinished jobs submitted before 0016 or 0019, and any job submitted before 0020 (its shape
+-- key: finished jobs' paces price and time later ones): their keys are computed from the spec
+-- in Python.
 SELECT job_id, spec FROM jobs
-WHERE (resident_key IS NULL OR adapter_shape_key IS NULL) AND state IN ('QUEUED', 'RUNNING')
+WHERE ((resident_key IS NULL OR adapter_shape_key IS NULL) AND state IN ('QUEUED', 'RUNNING'))
+   OR shape_key IS NULL
 LIMIT $1;
 
 -- name: set_warm_keys
 UPDATE jobs j SET resident_key = k.resident_key, compiled_shape_key = k.compiled_shape_key,
-                  adapter_shape_key = k.adapter_shape_key
-FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[])
-    AS k (job_id, resident_key, compiled_shape_key, adapter_shape_key)
-WHERE j.job_id = k.job_id AND (j.resident_key IS NULL OR j.adapter_shape_key IS NULL);
+                  adapter_shape_key = k.adapter_shape_key, shape_key = k.shape_key
+FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[])
+    AS k (job_id, resident_key, compiled_shape_key, adapter_shape_key, shape_key)
+WHERE j.job_id = k.job_id
+  AND (j.resident_key IS NULL OR j.adapter_shape_key IS NULL OR j.shape_key IS NULL);
 
 -- name: get_jobs_by_idempotency_key
 SELECT * FROM jobs WHERE owner = $1 AND idempotency_key = ANY($2::text[]);
@@ -201,7 +205,8 @@ SELECT * FROM canceled;
 -- $7 quarantine window seconds, $8 empty leases (ended without a checkpoint) in that window
 -- after which the machine gets nothing either; $9 the base model the worker says it holds
 -- ('' none), $10 the step shapes it says it compiled, $11 the warm-dispatch bound in seconds,
--- $12 the adapter shapes it says it holds parked.
+-- $12 the adapter shapes it says it holds parked, $13 the model families it serves (a job of
+-- another family is not offered to it).
 --
 -- Warm preference, among the first 64 claimable jobs in strict queue order (an index walk
 -- however long the queue) and within that order's classes (re-queued jobs first, then
@@ -222,7 +227,9 @@ WITH granted_keys AS (
 ), head AS (
     SELECT j.job_id FROM jobs j
     WHERE j.state = 'QUEUED'
+      -- The job's memory need (the spec's or the family's estimate) fits the node's memory.
       AND j.min_vram_mb <= $2
+      AND j.family = ANY ($13::text[])
       AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.job_id = j.job_id AND b.machine_id = $1)
       -- One live lease per machine: a machine that still holds one (its stream reconnected
       -- without resuming it) gets no second until that one ends or expires.
@@ -1016,7 +1023,8 @@ FROM scaler_decisions ORDER BY decision_id DESC LIMIT $1;
 -- name: claim_sample_task
 -- Like claim_job, for a worker that found no training job: the oldest claimable task, re-runs
 -- first. $1 machine_id, $2 vram_mb, $3 new lease_id, $4 lease ttl s, $5 sha256 of its secret,
--- $6, $7 and $8 the quarantine (as claim_job's).
+-- $6, $7 and $8 the quarantine (as claim_job's), $9 the model families it serves (a task runs
+-- its job's family's pipeline).
 WITH candidate AS (
     SELECT s.task_id FROM sample_tasks s JOIN jobs j USING (job_id)
     WHERE s.state = 'QUEUED' AND j.min_vram_mb <= $2 AND NOT ($1 = ANY (s.banned_machines))
@@ -1046,13 +1054,14 @@ WITH candidate AS (
            'sample task ' || task_id || ' attempt ' || epoch FROM granted
 )
 SELECT g.*, j.spec, j.owner, j.traceparent FROM granted g JOIN jobs j USING (job_id);
+      AND j.family = ANY ($9::text[])
 
 -- name: training_claimable
--- Whether machine $1 ($2 MB) could claim a queued training job now: then a sample task it
--- holds gives way (training is never delayed by samples).
+-- Whether machine $1 ($2 MB, serving the families $3) could claim a queued training job now:
+-- then a sample task it holds gives way (training is never delayed by samples).
 SELECT EXISTS (
     SELECT 1 FROM jobs j
-    WHERE j.state = 'QUEUED' AND j.min_vram_mb <= $2
+    WHERE j.state = 'QUEUED' AND j.min_vram_mb <= $2 AND j.family = ANY ($3::text[])
       AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.job_id = j.job_id AND b.machine_id = $1)
 );
 

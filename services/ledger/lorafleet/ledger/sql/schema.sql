@@ -40,6 +40,8 @@ CREATE TABLE jobs (
         CHECK (state IN ('QUEUED', 'RUNNING', 'SUCCEEDED', 'FAILED', 'CANCELED')),
     -- Copied out of the spec for the claim query's filter and order.
     priority         integer NOT NULL,
+    -- The job's memory need (0020): the spec's min_vram_mb or the family's estimate for its
+    -- shape, the larger (core/fit.py, vram_need_mb); claim_job grants only nodes that hold it.
     min_vram_mb      integer NOT NULL,
     max_failures     integer NOT NULL,
     max_train_steps  integer NOT NULL,
@@ -100,6 +102,11 @@ CREATE TABLE jobs (
     -- Copied out of the spec for the claim's warm preference (0019): JobSpec.adapter_shape_key;
     -- NULL (jobs from before, until the scheduler fills them) matches none.
     adapter_shape_key   text,
+    -- Copied out of the spec (0020): JobSpec.family, offered only to workers that serve it
+    -- (jobs from before: sdxl), and JobSpec.shape.key, what figures keyed by shape read (jobs
+    -- from before: NULL until the scheduler fills them at start).
+    family              text NOT NULL DEFAULT 'sdxl',
+    shape_key           text,
     UNIQUE (owner, idempotency_key),
     -- At most one live lease per job, and only a RUNNING job has one.
     CHECK ((state = 'RUNNING') = (lease_id IS NOT NULL)),

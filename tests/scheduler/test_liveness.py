@@ -1,0 +1,191 @@
+"""Leases that outlive the scheduler's bad moments (issue 31), against real scheduler processes.
+
+Two replicas over one Postgres and one objects directory behind a round-robin TCP balancer (a
+TCP health check keeps a frozen replica in the pool: its kernel still accepts connections).
+Workers are real agents (in this process) with the simulated trainer: everything about a
+lease is real but the arithmetic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+
+from lorafleet.core.model import upload_key
+from lorafleet.core.settings import load
+from lorafleet.jobs.v1 import jobs_pb2 as pb
+from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
+from lorafleet.ledger.ledger import Ledger
+from lorafleet.scheduler.auth import create_api_key
+from lorafleet.scheduler.storage import LocalObjectStore, LocalStoreConfig
+from lorafleet.worker.agent import Agent, State
+from lorafleet.worker.config import WorkerConfig
+from lorafleet.worker.qualify import QualificationResult
+from lorafleet.worker.simulated import simulated_trainer_factory
+from lorafleet.worker.transfer import TransferConfig
+from tests.support.fleet import running
+from tests.support.images import png
+from tests.support.jobs import PREFIX, JobClient
+from tests.support.replicas import (
+    SHARED_STORAGE_SECRET,
+    SchedulerProcess,
+    TcpBalancer,
+    scheduler_process,
+    shared_data_dir,
+)
+
+TOKEN = "liveness-test-token"
+TTL_S = 12.0
+SILENCE_S = 3.0
+# Long jobs, no checkpoint while the test looks: the simulated trainer paces 20 steps a second.
+LONG_JOB = dict(max_train_steps=50_000, checkpointing_steps=25_000)
+
+pytestmark = pytest.mark.slow
+
+
+def worker_config(machine_id: str, address: str, data_dir: Path, **overrides: Any) -> WorkerConfig:
+    values: dict[str, Any] = dict(
+        worker_token=TOKEN,
+        scheduler_address=address,
+        machine_id=machine_id,
+        provider_instance_id=f"instance-{machine_id}",
+        allow_cpu=True,
+        device="cpu",
+        min_free_disk_mb=0,
+        min_free_memory_mb=0,
+        reconnect_initial_backoff_s=0.05,
+        reconnect_max_backoff_s=0.5,
+        scheduler_silence_s=SILENCE_S,
+        compile_cache_dir=data_dir / "compile-cache" / machine_id,
+        compile_model="off",
+        transfer=TransferConfig(
+            max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.1, deadline_s=30.0
+        ),
+    )
+    values.update(overrides)
+    return load(WorkerConfig, env={}, **values)
+
+
+@asynccontextmanager
+async def two_replicas(
+    database_url: str, tmp_path: Path, **env: str
+) -> AsyncIterator[tuple[SchedulerProcess, SchedulerProcess, TcpBalancer, JobClient]]:
+    data_dir = shared_data_dir(tmp_path / "shared")
+    store = LocalObjectStore(
+        LocalStoreConfig(root_dir=data_dir / "objects", secret_key=SHARED_STORAGE_SECRET.encode())
+    )
+    await store.put_bytes(upload_key("alice", PREFIX, "1.png"), png(1))
+    ledger = await Ledger.connect(database_url, max_size=2)
+    try:
+        key = (await create_api_key(ledger, "alice")).key
+    finally:
+        await ledger.close()
+    base = dict(
+        LORAFLEET_WORKER_TOKEN=TOKEN,
+        LORAFLEET_LEASE_TTL_S=str(TTL_S),
+        LORAFLEET_HEARTBEAT_INTERVAL_S="1",
+        LORAFLEET_SWEEP_INTERVAL_S="0.5",
+        **env,
+    )
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(
+            scheduler_process(database_url, data_dir, {**base, "LORAFLEET_SCHEDULER_ID": "a"})
+        )
+        b = await stack.enter_async_context(
+            scheduler_process(database_url, data_dir, {**base, "LORAFLEET_SCHEDULER_ID": "b"})
+        )
+        # The token came from the environment: no file in the data directory is named.
+        assert "worker token from LORAFLEET_WORKER_TOKEN" in a.log, a.log
+        assert "worker-token" not in a.log, a.log
+        balancer = TcpBalancer([a.port, b.port])
+        await balancer.start()
+        stack.push_async_callback(balancer.close)
+        # The test's own calls go straight to replica b, which is never frozen.
+        channel = await stack.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{b.port}"))
+        yield a, b, balancer, JobClient(pbgrpc.JobServiceStub(channel), key)
+
+
+async def job_events(database_url: str, job_id: str) -> list[tuple[str, int | None]]:
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch(
+            "SELECT kind, epoch FROM job_events WHERE job_id = $1 ORDER BY event_id", job_id
+        )
+    finally:
+        await conn.close()
+    return [(str(r["kind"]), r["epoch"]) for r in rows]
+
+
+async def test_a_frozen_replica_is_left_within_the_bound_and_no_lease_expires(
+    database_url: str,
+    tmp_path: Path,
+    cpu_qualification: QualificationResult,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    loop = asyncio.get_running_loop()
+    async with two_replicas(database_url, tmp_path) as (a, _b, balancer, client):
+        agents = [
+            Agent(
+                worker_config(f"w{n}", balancer.address, tmp_path),
+                trainer_factory=simulated_trainer_factory(step_s=0.05, checkpoint_bytes=4096),
+                qualification=cpu_qualification,
+            )
+            for n in range(2)
+        ]
+        async with AsyncExitStack() as stack:
+            for agent in agents:
+                # Both on replica a: the one the test freezes.
+                balancer.route_next_to(0)
+                await stack.enter_async_context(running(agent))
+                async with asyncio.timeout(60):
+                    await agent.wait_for_state(State.IDLE)
+                assert agent.scheduler_id == "a"
+            jobs = [await client.submit(**LONG_JOB) for _ in agents]
+            async with asyncio.timeout(60):
+                for agent in agents:
+                    await agent.wait_for_state(State.LEASED)
+            leases = {agent.runner.ref.lease_id for agent in agents if agent.runner}
+            assert len(leases) == 2
+
+            a.freeze()
+            frozen_at = loop.time()
+            # Each worker notices within the silence bound (plus a ping interval), and a try or
+            # two through the balancer (one may land on the frozen replica again) finds b.
+            moved_after: list[float] = []
+            async with asyncio.timeout(TTL_S):
+                for agent in agents:
+                    await agent.wait_until(
+                        lambda x: x.scheduler_id == "b" and x.state is State.LEASED
+                    )
+                    moved_after.append(loop.time() - frozen_at)
+            assert max(moved_after) < 3 * SILENCE_S, moved_after
+            # The same leases, still training.
+            assert {agent.runner.ref.lease_id for agent in agents if agent.runner} == leases
+
+            # Replica a stays frozen past a whole TTL: b's sweeper would expire any lease its
+            # holder had not brought over.
+            await asyncio.sleep(max(0.0, frozen_at + TTL_S + 3.0 - loop.time()))
+            for job in jobs:
+                got = await client.get(job.job_id)
+                assert got.state == pb.JOB_STATE_RUNNING, got
+                events = await job_events(database_url, job.job_id)
+                kinds = [kind for kind, _ in events]
+                assert "LEASE_EXPIRED" not in kinds, events
+                assert {epoch for kind, epoch in events if kind == "LEASE_GRANTED"} == {1}
+            for agent in agents:
+                assert agent.runner is not None and agent.runner.holds_lease
+                assert agent.runner.ref.lease_id in leases
+            a.thaw()
+        gc.collect()  # a stream dropped without being closed would complain now
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
