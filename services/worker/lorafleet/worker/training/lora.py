@@ -330,7 +330,10 @@ def lora_weights_bytes(trained: Mapping[str, Any]) -> bytes:
     adapter_metadata: dict[str, Any] = {}
     for prefix, module in trained.items():
         for key, value in _jsonable(module.peft_config["default"].to_dict()).items():
-            adapter_metadata[f"{prefix}.{key}"] = value
+            # peft records the folder the base model was loaded from: a worker's own path,
+            # which would make the same job's file differ from node to node.
+            if key != "base_model_name_or_path":
+                adapter_metadata[f"{prefix}.{key}"] = value
     metadata = {
         "format": "pt",
         _ADAPTER_METADATA_KEY: json.dumps(adapter_metadata, indent=2, sort_keys=True),
