@@ -36,7 +36,7 @@ from typing import Generic, TypeVar
 
 from lorafleet.core.spec import JobSpec
 from lorafleet.ledger.ledger import Interruptions, Ledger
-from lorafleet.scheduler.job_handler import Pace, pace_shape
+from lorafleet.scheduler.paces import Pace, pace_shape
 
 # Distinct GPU classes and shapes remembered at once: the GPU class is the worker's word, so a
 # worker inventing names must not grow the scheduler's memory.

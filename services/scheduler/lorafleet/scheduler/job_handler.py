@@ -29,6 +29,7 @@ from lorafleet.core.model_refs import check_model_ref_shape
 from lorafleet.core.spec import JobSpec, check_path, check_sample_settings
 from lorafleet.ledger.ledger import Ledger, NewJob, WebhookDeliveryRecord
 from lorafleet.scheduler.notifications import Notifications
+from lorafleet.scheduler.paces import Pace, pace_shape
 from lorafleet.scheduler.signing import Artifacts, UrlSigner
 from lorafleet.scheduler.storage import ObjectStore, SignedUrl
 from lorafleet.scheduler.webhooks import AddressPolicy
@@ -48,27 +49,6 @@ MAX_UPLOAD_FILES = 1000
 # made of (an RTX 4090 runs 0.7 to 1 s, a 3090 1.3 to 1.5 s), erring slow: a prior that is too
 # high refuses a submit a measurement would admit, one that is too low lets a key overrun.
 PRIOR_S_PER_STEP = 1.5
-
-
-@dataclass(frozen=True, kw_only=True)
-class Pace:
-    """Seconds per step of a job shape: measured (verified completions on `machines`
-    provider-verified machines, at least the configured minimum), or else the prior."""
-
-    seconds_per_step: float
-    machines: int
-    measured: bool
-
-
-def pace_shape(spec: JobSpec) -> tuple[int, int, int, bool]:
-    """What the pace of a spec's jobs depends on: resolution, batch size, gradient
-    accumulation steps, text-encoder training (`JobHandler.spec_pace`; a key for its figures)."""
-    return (
-        spec.resolution,
-        spec.train_batch_size,
-        spec.gradient_accumulation_steps,
-        spec.train_text_encoder,
-    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -349,7 +349,11 @@ class WorkerHandler:
         )
 
     async def checkpoint_committed(self, session: WorkerSession, msg: CheckpointReport) -> None:
-        """A checkpoint stored under this stream's training lease: verified, then recorded."""
+        """A checkpoint stored under this stream's training lease: verified, then recorded.
+
+        `CheckpointCommitted` means the worker's upload committed, not that anything is
+        recorded: the ledger's `commit_checkpoint` below is the commit that counts, and only
+        after the store verified the bytes. The wire name stays for compatibility."""
         ref, checkpoint = msg.lease, msg.checkpoint
         lease = session.training_lease(ref)  # a sample task's lease commits no checkpoint
         if lease is None:

@@ -401,7 +401,7 @@ CREATE FUNCTION lorafleet_gpu_seconds(job uuid) RETURNS double precision LANGUAG
     FROM leases l WHERE l.job_id = job
 $$;
 
--- Sample tasks (0009): validation images made on the fleet, leased like jobs, after training.
+-- Sample tasks (0011): validation images made on the fleet, leased like jobs, after training.
 CREATE TABLE sample_tasks (
     task_id          uuid PRIMARY KEY DEFAULT gen_random_uuid(),
     job_id           uuid NOT NULL REFERENCES jobs (job_id),
