@@ -14,8 +14,6 @@ from lorafleet.worker.training.failures import as_training_failure
 @pytest.mark.parametrize(
     "exc",
     [
-        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-        RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"),
         RuntimeError("CUDA error: an illegal memory access was encountered"),
         RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED"),
         RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
@@ -32,6 +30,22 @@ from lorafleet.worker.training.failures import as_training_failure
 )
 def test_node_faults(exc: BaseException) -> None:
     assert classify_exception(exc) == FailureClass.NODE
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"),
+        RuntimeError("CUDA error: out of memory"),
+    ],
+)
+def test_an_accelerator_out_of_memory_is_the_grants_mistake_not_the_nodes(
+    exc: BaseException,
+) -> None:
+    """The scheduler sized the job for this node (core/families.py): it did not fit, which
+    says nothing against the machine, so it is never a node fault that bans it."""
+    assert classify_exception(exc) == FailureClass.INTERNAL
 
 
 def test_node_fault_found_through_the_cause_chain() -> None:

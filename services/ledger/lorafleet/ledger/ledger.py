@@ -1080,6 +1080,16 @@ class Ledger:
         async with self._conn() as conn:
             await conn.execute(QUERIES["touch_replica"], replica_id)
 
+    async def attend_replica(self, replica_id: str, lease_ttl_s: float, down_after_s: float) -> int:
+        """Replica `replica_id` reaches the ledger. If no replica had for `down_after_s` (the
+        ledger's clock), every lease live when one last had gets at least a TTL from now: a
+        lease's TTL counts only time in which its holder could have been heard. Returns how
+        many job leases were extended."""
+        row = await self._fetchrow("attend_replica", replica_id, lease_ttl_s, down_after_s)
+        assert row is not None
+        extended: int = row[0]
+        return extended
+
     async def list_events(self, job_id: str, after_event_id: int, limit: int) -> list[JobEvent]:
         rows = await self._fetch("list_events", uuid.UUID(job_id), after_event_id, limit)
         return [event_from_row(r) for r in rows]

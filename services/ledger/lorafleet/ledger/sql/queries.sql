@@ -295,7 +295,11 @@ SELECT * FROM granted;
 WITH resumed AS (
     UPDATE jobs SET lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
     WHERE lease_id = $1 AND epoch = $2 AND machine_id = $3 AND state = 'RUNNING'
-      AND lease_expires_at > now()
+      AND (lease_expires_at > now()
+          -- or it lapsed while no replica reached the ledger (an outage of the ledger or
+          -- of every replica): its holder is back before a replica has said so
+          -- (attend_replica), and the lapse was not its own.
+          OR lease_expires_at > (SELECT max(last_seen_at) FROM scheduler_replicas))
       AND EXISTS (SELECT 1 FROM leases l WHERE l.lease_id = $1 AND l.secret_sha256 = $5)
     RETURNING *
 ), logged AS (
@@ -312,7 +316,12 @@ WITH live AS (
     SET lease_expires_at = now() + make_interval(secs => $3),
         progress_step = $4, progress_loss = $5, progress_lr = $6, progress_s_per_step = $7,
         progress_machine_id = machine_id, progress_at = now(), updated_at = now()
-    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
+    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING'
+      AND (lease_expires_at > now()
+          -- or it lapsed while no replica reached the ledger (an outage of the ledger or
+          -- of every replica): its holder is back before a replica has said so
+          -- (attend_replica), and the lapse was not its own.
+          OR lease_expires_at > (SELECT max(last_seen_at) FROM scheduler_replicas))
     RETURNING job_id, machine_id, lease_id, epoch
 ), touched AS (
     -- The holder's pace, for the scaler (0007): latest s/step, first and last step reported.
@@ -773,6 +782,40 @@ SELECT EXISTS (
 
 -- name: touch_replica
 UPDATE scheduler_replicas SET last_seen_at = now() WHERE replica_id = $1;
+
+-- name: attend_replica
+-- Replica $1 reaches the ledger (every second or so, on every replica). A lease's TTL counts
+-- only time in which some replica reached the ledger, on the ledger's clock: if no replica had
+-- for $3 seconds (the ledger was unreachable, or every replica was down or frozen), every lease
+-- that was live when the ledger last heard from one gets at least a TTL ($2 s) from now, so its
+-- holder can reconnect and heartbeat; the stall bound does not count the silence either.
+-- Sample tasks and held machine ids likewise. Returns how many job leases were extended.
+WITH outage AS (
+    SELECT coalesce(max(last_seen_at), now()) AS seen,
+           coalesce(max(last_seen_at), now()) < now() - make_interval(secs => $3) AS down
+    FROM scheduler_replicas
+), extended AS (
+    UPDATE jobs
+    SET lease_expires_at = greatest(lease_expires_at, now() + make_interval(secs => $2)),
+        lease_progress_at = lease_progress_at + (now() - (SELECT seen FROM outage)),
+        updated_at = now()
+    WHERE state = 'RUNNING' AND (SELECT down FROM outage)
+      AND lease_expires_at > (SELECT seen FROM outage)
+    RETURNING job_id
+), tasks AS (
+    UPDATE sample_tasks
+    SET lease_expires_at = greatest(lease_expires_at, now() + make_interval(secs => $2))
+    WHERE state = 'RUNNING' AND (SELECT down FROM outage)
+      AND lease_expires_at > (SELECT seen FROM outage)
+), kept AS (
+    UPDATE machines SET last_seen_at = now()
+    WHERE (SELECT down FROM outage) AND session_token_sha256 IS NOT NULL
+      AND last_seen_at > (SELECT seen FROM outage) - make_interval(secs => $2)
+), touched AS (
+    INSERT INTO scheduler_replicas (replica_id) VALUES ($1)
+    ON CONFLICT (replica_id) DO UPDATE SET last_seen_at = now()
+)
+SELECT count(*) FROM extended;
 
 -- name: list_events
 SELECT * FROM job_events WHERE job_id = $1 AND event_id > $2 ORDER BY event_id LIMIT $3;

@@ -1,11 +1,14 @@
-"""Why a training run failed, in the three classes the ledger acts on (DESIGN.md).
+"""Why a training run failed, in the three classes the ledger acts on (docs/DESIGN.md,
+"Failure classes").
 
-* `NODE`: the machine is at fault (CUDA error, out of memory, driver). The job is retried
+* `NODE`: the machine is at fault (CUDA error, driver, host memory). The job is retried
   elsewhere and this machine is banned from it.
 * `INPUT`: the job cannot succeed anywhere (unreadable images, impossible parameters). It fails
   at once with the message, which names what to fix.
-* `INTERNAL`: anything else. Counts toward ``max_failures``, bans nobody. Nothing is guessed
-  into the other two classes: an unrecognised exception is internal.
+* `INTERNAL`: anything else, and an accelerator out of memory: the scheduler granted a job that
+  the node cannot hold (it sizes jobs from core/families.py), which is the scheduler's mistake,
+  never the node's. Bans nobody. Nothing is guessed into the other two classes: an
+  unrecognised exception is internal.
 """
 
 from __future__ import annotations
@@ -19,8 +22,13 @@ from lorafleet.core.model import FailureClass
 
 # Substrings of messages raised by CUDA, its libraries and the driver (via torch's RuntimeError,
 # torch.AcceleratorError or NCCL). Matched case-sensitively as the libraries spell them.
-_NODE_MESSAGES = (
+# An accelerator's allocator out of memory: the job did not fit (INTERNAL, see above).
+_OUT_OF_MEMORY_MESSAGES = (
     "CUDA out of memory",
+    "CUDA error: out of memory",
+    "out of memory. Tried to allocate",
+)
+_NODE_MESSAGES = (
     "CUDA error",
     "CUDA driver",
     "CUDA-capable device",
@@ -81,17 +89,22 @@ def classify_exception(exc: BaseException) -> FailureClass:
     """The failure class of any exception escaping a training run.
 
     An explicit `TrainingFailure` anywhere in the chain keeps its class; `InvalidArgument` (a bad
-    spec) is an input fault; CUDA out-of-memory, CUDA/cuDNN/cuBLAS/NCCL/driver errors and host
-    memory exhaustion are node faults; everything else is internal.
+    spec) is an input fault; an accelerator out of memory is internal (the grant's mistake);
+    CUDA/cuDNN/cuBLAS/NCCL/driver errors and host memory exhaustion are node faults; everything
+    else is internal.
     """
     for current in _chain(exc):
         if isinstance(current, TrainingFailure):
             return current.failure_class
         if isinstance(current, InvalidArgument):
             return FailureClass.INPUT
-        if isinstance(current, (torch.OutOfMemoryError, torch.AcceleratorError, MemoryError)):
-            return FailureClass.NODE
         message = str(current)
+        if isinstance(current, torch.OutOfMemoryError) or any(
+            pattern in message for pattern in _OUT_OF_MEMORY_MESSAGES
+        ):
+            return FailureClass.INTERNAL
+        if isinstance(current, (torch.AcceleratorError, MemoryError)):
+            return FailureClass.NODE
         if any(pattern in message for pattern in _NODE_MESSAGES):
             return FailureClass.NODE
     return FailureClass.INTERNAL
