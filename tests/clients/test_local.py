@@ -70,7 +70,9 @@ async def test_demo_trains_a_lora_that_loads(tmp_path: Path) -> None:
 
         # diffusers is untyped: one Any-typed handle keeps the rest of the test checked.
         diffusers: Any = importlib.import_module("diffusers")
-        pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(tmp_path / "data" / "demo-model")
+        pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(
+            tmp_path / "data" / "demo-model-sdxl"
+        )
         pipe.load_lora_weights(str(out))
         adapters = pipe.get_list_adapters()
         image = pipe(
