@@ -18,7 +18,9 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -37,6 +39,7 @@ from lorafleet.scaler.service import Scaler
 from lorafleet.scheduler.auth import create_api_key
 from lorafleet.scheduler.config import SchedulerConfig
 from lorafleet.scheduler.server import Scheduler
+from lorafleet.worker.qualify import total_host_memory_mb
 
 API_KEY_FILE = "api-key"
 LOCAL_OWNER = "local"
@@ -71,6 +74,30 @@ def worker_bounds(gpus: int, *, max_workers: int | None, min_workers: int) -> tu
     return min(max(min_workers, 0), most), most
 
 
+def local_node_memory_mb(gpus: int) -> int:
+    """The memory this machine's local workers announce (the largest GPU's, asked of
+    `nvidia-smi`; without a GPU the host's, as a CPU worker says), in MiB; 0 if unknown.
+
+    It is the largest node `lorafleet up` runs: a job needing more is refused at submit, and a
+    job that ran out of memory here is not sent to look for a larger node that never comes."""
+    if not gpus:
+        return total_host_memory_mb()
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        listed = subprocess.run(
+            [smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    sizes = [int(line) for line in listed.stdout.split() if line.strip().isdigit()]
+    return max(sizes) if listed.returncode == 0 and sizes else 0
+
+
 @asynccontextmanager
 async def local_fleet(
     data_dir: Path,
@@ -84,16 +111,20 @@ async def local_fleet(
     `max_workers` (default one per GPU, or one CPU worker) as work comes and goes."""
     # One machine: its user is the operator, and a webhook receiver beside the fleet listens on
     # loopback. A LORAFLEET_WEBHOOK_ALLOWED_NETWORKS the user set still wins.
+    gpus = detect_gpus()
     config = load(
         SchedulerConfig,
         data_dir=data_dir,
         listen=listen,
         webhook_allowed_networks=os.environ.get("LORAFLEET_WEBHOOK_ALLOWED_NETWORKS")
         or "127.0.0.0/8,::1/128",
+        # The fleet's largest node is this machine (a LORAFLEET_FLEET_MAX_VRAM_MB set wins).
+        fleet_max_vram_mb=None
+        if "LORAFLEET_FLEET_MAX_VRAM_MB" in os.environ
+        else local_node_memory_mb(gpus),
     )
     async with Scheduler(config) as scheduler:
         api_key = await ensure_local_api_key(scheduler.ledger, data_dir)
-        gpus = detect_gpus()
         provider = LocalProcessProvider(
             scheduler_address=f"127.0.0.1:{scheduler.port}",
             worker_token=scheduler.worker_token,
