@@ -97,6 +97,19 @@ class WorkerConfig(ServiceSettings):
     url_request_timeout_s: float = Field(
         30.0, gt=0, description="how long to wait for upload URLs before asking again"
     )
+    setup_notice_interval_s: float = Field(
+        30.0,
+        gt=0,
+        description="while a lease prepares (model load, class images, precompute, compile)"
+        " and has not trained a step, a notice on the job's timeline this often says what it is"
+        " doing",
+    )
+    setup_stall_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="a lease whose preparation shows no progress for this long (no new phase, no"
+        " class images, no step: e.g. a hub download that cannot succeed) fails as a node fault",
+    )
 
     # Identity.
     machine_id: str = Field(

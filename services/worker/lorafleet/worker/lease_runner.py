@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 from opentelemetry import trace
@@ -53,6 +55,7 @@ from lorafleet.worker.lease import (
     training_config_for,
 )
 from lorafleet.worker.lease_inputs import LeaseInputs
+from lorafleet.worker.setup_watch import SetupStalled, SetupWatch, describe_phase
 from lorafleet.worker.training import (
     CorruptCheckpoint,
     Finished,
@@ -179,6 +182,9 @@ class LeaseRunner:
             epoch=self.ref.epoch,
             machine_id=config.machine_id,
         )
+        # What the run does before its first step (setup_watch.py).
+        self._setup = SetupWatch()
+        self._setup_stalled = False
         self._inputs = LeaseInputs(
             transfer=transfer, config=config, notice=self._notice, log=self._log
         )
@@ -396,12 +402,20 @@ class LeaseRunner:
         timings = getattr(trainer, "timings", None)
         self._uploads.snapshot_seconds = getattr(timings, "snapshot_seconds", [])
         self._run_timings = timings if isinstance(timings, RunTimings) else None
+        # `on_phase(name)`: the trainer names each setup phase as it enters it (and may name it
+        # again as a sign of progress within it). Passed where the trainer's hooks have it.
+        phase_hook = (
+            {"on_phase": self._on_phase}
+            if "on_phase" in {f.name for f in dataclasses.fields(TrainingHooks)}
+            else {}
+        )
         hooks = TrainingHooks(
             on_progress=self._on_progress,
             should_stop=self._should_stop,
             on_checkpoint=self._on_checkpoint,
             on_class_images=self._on_class_images,
             on_notice=self._on_notice,
+            **phase_hook,
         )
         start = resume.step if resume is not None else 0
         with tracer.start_as_current_span(
@@ -420,14 +434,55 @@ class LeaseRunner:
                 )
             )
             self._running_training = running
+            watching = asyncio.ensure_future(self._watch_setup())
             try:
+                # Neither is cancelled by a cancel of this task (asyncio.wait does not).
+                either: list[asyncio.Future[Any]] = [running, watching]
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                stalled = watching.exception() if watching.done() else None
+                if not running.done() and stalled is not None:
+                    # Stalled before its first step: the run is told to stop (should_stop says
+                    # "cancel" at its next poll) and the attempt fails as this node's.
+                    self._setup_stalled = True
+                    raise stalled
                 return await asyncio.shield(running)
             except asyncio.CancelledError:
                 if self._mode in (_Mode.TRAINING, _Mode.DRAINING):
                     self._mode = _Mode.ABORTED
                 # A thread cannot be interrupted: it sees should_stop() at its next step
-                # boundary; run() waits for that before the lease ends.
+                # boundary (and, in the trainer's setup, at each phase); run() waits for that
+                # before the lease ends.
                 raise
+            finally:
+                watching.cancel()
+                await asyncio.gather(watching, return_exceptions=True)
+
+    async def _watch_setup(self) -> None:
+        """Until the run's first step: a notice every `setup_notice_interval_s` saying what it
+        is doing (the timeline of a job whose node is still downloading the model is never
+        silent), and `SetupStalled` once it showed no progress for `setup_stall_timeout_s`."""
+        interval = self._config.setup_notice_interval_s
+        stall_s = self._config.setup_stall_timeout_s
+        while True:
+            state = self._setup.state()
+            if state.stepped:
+                return
+            if state.quiet_s >= stall_s:
+                raise SetupStalled(
+                    f"no progress for {state.quiet_s:.0f} s while {describe_phase(state.phase)}"
+                    f" (setup_stall_timeout_s {stall_s:g}); this machine could not prepare the"
+                    " run, e.g. no network to the model's hub"
+                )
+            # Wakes for the next notice, or when the stall bound would be reached.
+            await asyncio.sleep(min(interval, stall_s - state.quiet_s))
+            state = self._setup.state()
+            if state.stepped:
+                return
+            if state.quiet_s < stall_s:
+                await self._notice(
+                    f"preparing: {describe_phase(state.phase)} for {state.phase_s:.0f} s"
+                    " (no training step yet)"
+                )
 
     async def _training_stopped(self) -> None:
         """Waits until this lease's run has left the training thread. Not shielded: if the
@@ -454,7 +509,11 @@ class LeaseRunner:
 
     # Hooks: called on the training thread, each returns at once ------------------------------
 
+    def _on_phase(self, name: str) -> None:
+        self._setup.phase(name)
+
     def _on_progress(self, step: int, loss: float, lr: float, seconds_per_step: float) -> None:
+        self._setup.stepped()
         if seconds_per_step > 0 and math.isfinite(seconds_per_step):
             metrics.STEP_SECONDS.observe(seconds_per_step)
         self.progress.publish(
@@ -468,6 +527,8 @@ class LeaseRunner:
         )
 
     def _should_stop(self) -> StopReason | None:
+        if self._setup_stalled:
+            return "cancel"  # the attempt failed already (SetupStalled)
         mode = self._mode
         if mode is _Mode.DRAINING:
             return "drain"
@@ -487,9 +548,11 @@ class LeaseRunner:
         self._to_loop(self._offer_checkpoint, snapshot)
 
     def _on_class_images(self, batch: list[tuple[int, bytes]]) -> None:
+        self._setup.sign()
         self._to_loop(self._store_class_images, batch)
 
     def _on_notice(self, message: str) -> None:
+        self._setup.sign()
         self._to_loop(self._send_notice, message)
 
     def _send_notice(self, message: str) -> None:
