@@ -33,7 +33,7 @@ from lorafleet.core.spec import JobSpec
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from tests.support.fleet import Fleet
-from tests.support.workers import ScriptedWorker, connect_worker
+from tests.support.workers import ScriptedWorker, connect_worker, local_identity
 
 SHA = "c" * 64
 # Short enough that an abandoned lease expires within the test's bounded waits.
@@ -53,7 +53,7 @@ class History:
 
     expired_then_resumed: str  # spot-a: heartbeat, checkpoint 10, expires; spot-b finishes
     drained_twice: str  # drained on spot-c and spot-d, succeeds on spot-e
-    failed: str  # a NODE failure on spot-f with max_failures=1
+    failed: str  # an input fault on spot-f, an operator-run machine: failed at once
     succeeded_first_time: str  # spot-a, one lease
     canceled_in_queue: str  # never leased
     other_label: str  # batch=other, canceled in queue
@@ -119,13 +119,16 @@ async def live_history(fleet: Fleet) -> History:
     drained = job.job_id
 
     job = await alice.submit(max_train_steps=50, max_failures=1, labels=labels)
-    async with connect_worker(fleet.channel, fleet.token, "spot-f") as f:
+    # A node fault is not the job's fault (it would wait for another machine): an input fault
+    # on a machine the operator runs fails it at once.
+    identity = local_identity(fleet.scheduler.identity_secret, "spot-f")
+    async with connect_worker(fleet.channel, fleet.token, "spot-f", identity=identity) as f:
         granted = await f.ready_for_lease()
         await f.send(
             job_failed=fpb.JobFailed(
                 lease=f.ref(granted.lease),
-                failure_class=pb.FAILURE_CLASS_NODE,
-                message="CUDA error: an illegal memory access was encountered",
+                failure_class=pb.FAILURE_CLASS_INPUT,
+                message="1.png: not an image",
             )
         )
         await alice.wait_for(job.job_id, finished)
@@ -219,7 +222,7 @@ async def test_timeline_of_real_jobs(fleet: Fleet, tmp_path: Path) -> None:
             await client.get(history.failed), await client.events(history.failed)
         )
         assert len(by_class(failed, "lease failed")) == 1
-        assert texts(failed, "error") == ["CUDA error: an illegal memory access was encountered"]
+        assert texts(failed, "error") == ["1.png: not an image"]
 
         queued_only = render_timeline_svg(
             await client.get(history.canceled_in_queue),

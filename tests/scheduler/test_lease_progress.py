@@ -103,8 +103,8 @@ async def test_a_lease_without_verified_progress_is_revoked_as_a_node_fault(
             assert lease["end_reason"] == "failed: node"
             assert lease["held"].total_seconds() >= 3.0
             job = await fleet.alice.get(stalled.job_id)
-            # Back in the queue with its last verified checkpoint, one failure counted.
-            assert job.state == pb.JOB_STATE_QUEUED and job.failures == 1
+            # Back in the queue with its last verified checkpoint: a node fault, not a failure.
+            assert job.state == pb.JOB_STATE_QUEUED and (job.failures, job.node_faults) == (0, 1)
             assert job.latest_checkpoint.step == 12
             bans = await _row(
                 database_url,

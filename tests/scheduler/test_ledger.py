@@ -95,7 +95,9 @@ async def test_vram_filter_and_node_ban(ledger: Ledger) -> None:
     failed = await ledger.fail_attempt(
         _lease(granted), granted.epoch, FailureClass.NODE, "CUDA error"
     )
-    assert failed is not None and failed.state is JobState.QUEUED and failed.failures == 1
+    # A node fault is not the job's: no failure, one node fault.
+    assert failed is not None and failed.state is JobState.QUEUED
+    assert (failed.failures, failed.node_faults) == (0, 1)
     assert (
         await ledger.claim_job("big", 24_000, TTL_S, secret_sha256=SECRET) is None
     )  # banned there
@@ -112,13 +114,45 @@ async def test_a_machine_a_job_failed_on_never_gets_it_again(
     granted = await ledger.claim_job("broken", 0, TTL_S, secret_sha256=SECRET)
     assert granted is not None and granted.job_id == job.job_id
     after = await ledger.fail_attempt(_lease(granted), granted.epoch, failure_class, "boom")
-    assert after is not None and after.state is JobState.QUEUED and after.failures == 1
+    # Neither is blamed on the job from a machine not in good standing (no provider's word,
+    # no result of its own): it counts as a node fault.
+    assert after is not None and after.state is JobState.QUEUED
+    assert (after.failures, after.node_faults) == (0, 1)
     assert await ledger.claim_job("broken", 0, TTL_S, secret_sha256=SECRET) is None
     assert await ledger.claim_job("healthy", 0, TTL_S, secret_sha256=SECRET) is not None
 
 
-async def test_max_failures_and_input_fault(ledger: Ledger) -> None:
+async def in_good_standing(database_url: str, *machines: str) -> None:
+    """Each machine is provider-verified and delivered a verified result of its own (a job
+    finished an hour ago): its internal errors are blamed on the jobs it reports them for."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        for machine in machines:
+            await conn.execute(
+                "INSERT INTO machines (machine_id, identity_provider) VALUES ($1, 'salad')"
+                " ON CONFLICT (machine_id) DO UPDATE SET identity_provider = 'salad'",
+                machine,
+            )
+            job_id = await conn.fetchval(
+                "INSERT INTO jobs (job_id, owner, spec, state, priority, min_vram_mb,"
+                " max_failures, max_train_steps, epoch, finished_at)"
+                " SELECT gen_random_uuid(), 'earlier', spec, 'SUCCEEDED', 0, 0, 3,"
+                " max_train_steps, 1, now() FROM jobs LIMIT 1 RETURNING job_id"
+            )
+            await conn.execute(
+                "INSERT INTO leases (lease_id, job_id, epoch, machine_id, granted_at, ended_at,"
+                " end_reason) VALUES (gen_random_uuid(), $1, 1, $2, now() - interval '2 hours',"
+                " now() - interval '1 hour', 'succeeded')",
+                job_id,
+                machine,
+            )
+    finally:
+        await conn.close()
+
+
+async def test_max_failures_and_input_fault(ledger: Ledger, database_url: str) -> None:
     job = (await ledger.insert_jobs("alice", [new_job(max_failures=2)]))[0]
+    await in_good_standing(database_url, "a", "b")
     for machine, expected in (("a", JobState.QUEUED), ("b", JobState.FAILED)):
         granted = await ledger.claim_job(machine, 0, TTL_S, secret_sha256=SECRET)
         assert granted is not None

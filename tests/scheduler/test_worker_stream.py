@@ -179,11 +179,15 @@ async def test_ttl_expiry_requeues_first_and_fences_the_old_holder(fleet: Fleet)
     ]
 
 
-async def test_node_failures_ban_and_count(fleet: Fleet) -> None:
+async def test_node_failures_ban_and_count_apart(fleet: Fleet) -> None:
+    """Node faults ban the machine and count in the job's node_faults, not its failures: a
+    job is not to blame for the machines it was handed (max_failures 2 here, and two node
+    faults leave it queued for a third machine)."""
     job = await fleet.alice.submit(max_failures=2)
     async with (
         connect_worker(fleet.channel, fleet.token, "a") as a,
         connect_worker(fleet.channel, fleet.token, "b") as b,
+        connect_worker(fleet.channel, fleet.token, "c") as c,
     ):
         granted = await a.ready_for_lease()
         await a.send(
@@ -204,14 +208,15 @@ async def test_node_failures_ban_and_count(fleet: Fleet) -> None:
                 message="CUDA out of memory",
             )
         )
-        failed = await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_FAILED)
-    assert failed.failures == 2
-    assert failed.failure_class == pb.FAILURE_CLASS_NODE and "out of memory" in failed.error
+        third = await c.ready_for_lease()
+        assert third.lease.job_id == job.job_id and third.lease.epoch == 3
+    now = await fleet.alice.get(job.job_id)
+    assert (now.failures, now.node_faults, now.max_node_faults) == (0, 2, 10)
     assert [
         e.machine_id
         for e in await fleet.alice.events(job.job_id)
         if e.kind == pb.JOB_EVENT_KIND_LEASE_GRANTED
-    ] == ["a", "b"]
+    ] == ["a", "b", "c"]
 
 
 async def test_an_input_failure_fails_the_job_once_a_second_machine_confirms_it(

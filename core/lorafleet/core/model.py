@@ -151,6 +151,10 @@ class Job:
     traceparent: str | None = None
     # Billable accelerator seconds over every lease; known on reads (get, list), else None.
     gpu_seconds: float | None = None
+    # Failed attempts the job is not blamed for (node faults, stalls, errors from machines not
+    # in good standing), and the bound on them; `failures` counts only what it is blamed for.
+    node_faults: int = 0
+    max_node_faults: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -197,6 +197,8 @@ def job_to_proto(job: Job) -> pb.Job:
         state=JOB_STATES[job.state],
         epoch=job.epoch,
         failures=job.failures,
+        node_faults=job.node_faults,
+        max_node_faults=job.max_node_faults,
         progress=pb.Progress(
             step=progress.step,
             max_steps=progress.max_steps,
@@ -297,6 +299,8 @@ def job_from_proto(msg: pb.Job) -> Job:
         state=state,
         epoch=msg.epoch,
         failures=msg.failures,
+        node_faults=msg.node_faults,
+        max_node_faults=msg.max_node_faults,
         progress=Progress(
             step=p.step,
             max_steps=p.max_steps,

@@ -167,6 +167,8 @@ def job_json(job: Job) -> dict[str, Any]:
         "state": job.state.value,
         "epoch": job.epoch,
         "failures": job.failures,
+        "node_faults": job.node_faults,
+        "max_node_faults": job.max_node_faults,
         "step": p.step,
         "max_steps": p.max_steps,
         "loss": p.loss,
@@ -243,7 +245,8 @@ def describe_job(job: Job) -> str:
         + (f", loss {p.loss:.4f}" if p.loss is not None else "")
         + (f", {p.seconds_per_step:.2f} s/step" if p.seconds_per_step else "")
         + (f", ETA {p.eta_seconds:.0f} s" if p.eta_seconds and not job.state.terminal else ""),
-        f"attempts   {job.epoch} (failures {job.failures})",
+        f"attempts   {job.epoch} (failures {job.failures} of {job.spec.max_failures};"
+        f" not the job's fault {job.node_faults} of {job.max_node_faults})",
         f"machine    {job.machine_id or '-'}",
         f"checkpoint {job.latest_checkpoint.step if job.latest_checkpoint else '-'}",
         f"result     {job.result.key if job.result else '-'}"

@@ -945,6 +945,8 @@ class Job(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     MACHINE_ID_FIELD_NUMBER: _builtins.int
     GPU_SECONDS_FIELD_NUMBER: _builtins.int
+    NODE_FAULTS_FIELD_NUMBER: _builtins.int
+    MAX_NODE_FAULTS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     state: Global___JobState.ValueType
     epoch: _builtins.int
@@ -960,6 +962,12 @@ class Job(_message.Message):
     """Billable accelerator seconds over every lease so far: grant to end, or to the last
     heartbeat for a lease that expired (the node's work after it is unknown).
     """
+    node_faults: _builtins.int
+    """Failed attempts the job is not blamed for (node faults, stalls, errors from machines not in
+    good standing): they never count toward max_failures (`failures` counts only input faults
+    and internal errors the job is blamed for); the job fails at max_node_faults of them.
+    """
+    max_node_faults: _builtins.int
     @_builtins.property
     def spec(self) -> Global___JobSpec: ...
     @_builtins.property
@@ -992,10 +1000,12 @@ class Job(_message.Message):
         finished_at: _timestamp_pb2.Timestamp | None = ...,
         machine_id: _builtins.str = ...,
         gpu_seconds: _builtins.float = ...,
+        node_faults: _builtins.int = ...,
+        max_node_faults: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "latest_checkpoint", b"latest_checkpoint", "progress", b"progress", "result", b"result", "spec", b"spec", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "epoch", b"epoch", "error", b"error", "failure_class", b"failure_class", "failures", b"failures", "finished_at", b"finished_at", "gpu_seconds", b"gpu_seconds", "job_id", b"job_id", "latest_checkpoint", b"latest_checkpoint", "machine_id", b"machine_id", "progress", b"progress", "result", b"result", "spec", b"spec", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "epoch", b"epoch", "error", b"error", "failure_class", b"failure_class", "failures", b"failures", "finished_at", b"finished_at", "gpu_seconds", b"gpu_seconds", "job_id", b"job_id", "latest_checkpoint", b"latest_checkpoint", "machine_id", b"machine_id", "max_node_faults", b"max_node_faults", "node_faults", b"node_faults", "progress", b"progress", "result", b"result", "spec", b"spec", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -362,6 +362,8 @@ def job_from_row(row: asyncpg.Record) -> Job:
         state=JobState(row["state"]),
         epoch=row["epoch"],
         failures=row["failures"],
+        node_faults=row["node_faults"],
+        max_node_faults=row["max_node_faults"],
         progress=Progress(
             step=row["progress_step"],
             max_steps=row["max_train_steps"],
@@ -810,6 +812,7 @@ class Ledger:
             failure_class.value,
             message,
             list(OPERATOR_RUN_PROVIDERS),
+            self.fleet_max_vram_mb,
         )
         return None if row is None else job_from_row(row)
 

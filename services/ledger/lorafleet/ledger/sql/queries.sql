@@ -362,12 +362,13 @@ SELECT job_id, lease_id, machine_id, epoch FROM expired;
 -- The sweeper, beside expire_leases: a lease that made no verified progress (see
 -- jobs.lease_progress_at: its grant, then checkpoints crossing an interval) for its bound ends
 -- as a node fault: the machine is banned from the job, the fault counts toward its quarantine
--- and the job's max_failures, and the job is re-queued from its newest checkpoint. Heartbeats
+-- and the job's node_faults (not its max_failures: fail_attempt), and the job is re-queued from
+-- its newest checkpoint. Heartbeats
 -- keep a lease from expiring but are no progress. The bound is $1 seconds for a job that
 -- checkpoints every 100 steps, scaled by its interval (never below $1) plus $1 per 100 class
 -- images it may have to generate first; the holder's stream is revoked by the NOTIFY.
 WITH stalled AS (
-    SELECT job_id, lease_id, machine_id, epoch, failures, max_failures,
+    SELECT job_id, lease_id, machine_id, epoch, node_faults, max_node_faults,
            round(extract(epoch FROM now() - lease_progress_at))::bigint AS silent_s
     FROM jobs
     WHERE state = 'RUNNING'
@@ -380,14 +381,14 @@ WITH stalled AS (
     LIMIT 1000
     FOR UPDATE SKIP LOCKED
 ), decided AS (
-    SELECT s.*, CASE WHEN s.failures + 1 >= s.max_failures THEN 'FAILED' ELSE 'QUEUED' END
-                    AS new_state,
+    SELECT s.*, CASE WHEN s.node_faults + 1 >= s.max_node_faults THEN 'FAILED' ELSE 'QUEUED'
+                END AS new_state,
            'no verified progress (a checkpoint the store verified) for ' || s.silent_s
                || ' s; the lease was revoked as a node fault' AS message
     FROM stalled s
 ), updated AS (
     UPDATE jobs j
-    SET state = d.new_state, failures = d.failures + 1,
+    SET state = d.new_state, node_faults = d.node_faults + 1,
         lease_id = NULL, machine_id = NULL, lease_expires_at = NULL,
         error = CASE WHEN d.new_state = 'FAILED' THEN d.message ELSE j.error END,
         failure_class = CASE WHEN d.new_state = 'FAILED' THEN 'NODE' ELSE j.failure_class END,
@@ -434,55 +435,104 @@ SELECT * FROM requeued;
 
 -- name: fail_attempt
 -- $1 lease, $2 epoch, $3 class (NODE | INPUT | INTERNAL), $4 message, $5 the identity providers
--- whose machines the operator runs (lorafleet up's local supervisor, EC2 in its own account).
+-- whose machines the operator runs (lorafleet up's local supervisor, EC2 in its own account),
+-- $6 the fleet's largest node memory in MB (0: unknown).
 -- Every class bans the machine: a job is never leased again to a machine it failed on, so one
--- machine can never use up a job's failures by itself. NODE and INTERNAL count a failure.
--- INPUT counts none. It fails the job at once when the machine is one of the operator's own
--- (provider-verified by a provider in $5): waiting for a second machine there only re-queues a
--- job that cannot succeed and makes the scaler fetch a node for it. From any other machine it
--- fails the job only once a second machine reports an input fault too: those are strangers'
--- machines, and one of them alone must not be able to fail every job it is handed by calling
--- its inputs bad (docs/THREAT_MODEL.md).
+-- machine can spend at most one attempt of a job. A job's failure budget is the job's:
+-- `failures` (against max_failures) counts only what the job can be blamed for, INTERNAL
+-- errors from distinct machines in good standing (lorafleet_good_standing: provider-verified,
+-- a verified result of its own since its last node fault), recounted at every failure, so that
+-- attempts on a machine quarantined since count for nothing. INPUT counts none. It fails the
+-- job at once when the machine is one of the operator's own (provider-verified by a provider
+-- in $5): waiting for a second machine there only re-queues a job that cannot succeed and
+-- makes the scaler fetch a node for it. From any other machine it fails the job only once a
+-- second machine reports an input fault too: those are strangers' machines, and one of them
+-- alone must not be able to fail every job it is handed by calling its inputs bad
+-- (docs/THREAT_MODEL.md). Every other attempt (NODE, INTERNAL from a machine not in good
+-- standing, an unconfirmed INPUT) counts in `node_faults` and fails the job only at
+-- max_node_faults: a few broken or hostile machines cannot fail a job an honest node runs.
+-- An INTERNAL error on a node smaller than the fleet's largest class ($6 MiB,
+-- fleet_max_vram_mb; 0: none) is taken for what the worker classes as INTERNAL, an
+-- out-of-memory: the scheduler's mistake (the job's need was underestimated), not the node's
+-- nor the job's. The job's memory need is raised above that node's memory (it goes to larger
+-- nodes only); it counts nothing, bans no one, and the lease ends 'outgrown' (no empty lease
+-- toward quarantine). Each raise passes one more node size, so there are few; on the largest
+-- class it is an INTERNAL error like any other.
 WITH target AS (
-    SELECT job_id, lease_id, machine_id, epoch, failures, max_failures FROM jobs
-    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
-    FOR UPDATE
-), decided AS (
+    SELECT j.job_id, j.lease_id, j.machine_id, j.epoch, j.failures, j.max_failures,
+           j.node_faults, j.max_node_faults,
+           coalesce($3 = 'INTERNAL'
+                    AND (SELECT m.vram_mb FROM machines m WHERE m.machine_id = j.machine_id)
+                        < $6::bigint, false) AS outgrown,
+           (SELECT m.vram_mb FROM machines m WHERE m.machine_id = j.machine_id) AS node_vram_mb
+    FROM jobs j
+    WHERE j.lease_id = $1 AND j.epoch = $2 AND j.state = 'RUNNING'
+      AND j.lease_expires_at > now()
+    FOR UPDATE OF j
+), judged AS (
     SELECT t.*,
-           t.failures + CASE WHEN $3 = 'INPUT' THEN 0 ELSE 1 END AS new_failures,
-           CASE WHEN $3 = 'INPUT' AND (EXISTS (
-                    SELECT 1 FROM job_events e
-                    WHERE e.job_id = t.job_id AND e.kind = 'ATTEMPT_FAILED'
-                      AND e.failure_class = 'INPUT' AND e.machine_id <> t.machine_id)
-                 OR EXISTS (
-                    SELECT 1 FROM machines m
-                    WHERE m.machine_id = t.machine_id AND m.identity_provider = ANY($5::text[])))
-                THEN 'FAILED'
-                WHEN $3 <> 'INPUT' AND t.failures + 1 >= t.max_failures THEN 'FAILED'
-                ELSE 'QUEUED' END AS new_state
+           $3 = 'INTERNAL' AND NOT t.outgrown AND lorafleet_good_standing(t.machine_id)
+               AS blamed,
+           $3 = 'INPUT' AND (EXISTS (
+                   SELECT 1 FROM job_events e
+                   WHERE e.job_id = t.job_id AND e.kind = 'ATTEMPT_FAILED'
+                     AND e.failure_class = 'INPUT' AND e.machine_id <> t.machine_id)
+               OR EXISTS (
+                   SELECT 1 FROM machines m
+                   WHERE m.machine_id = t.machine_id
+                     AND m.identity_provider = ANY($5::text[]))) AS confirmed,
+           (SELECT count(DISTINCT l.machine_id) FROM leases l
+            WHERE l.job_id = t.job_id AND l.end_reason = 'failed: internal'
+              AND l.machine_id <> t.machine_id
+              AND lorafleet_good_standing(l.machine_id)) AS blamed_before
     FROM target t
+), decided AS (
+    SELECT j.*,
+           (j.blamed_before + CASE WHEN j.blamed THEN 1 ELSE 0 END)::int AS new_failures,
+           j.node_faults + CASE WHEN j.blamed OR j.confirmed OR j.outgrown THEN 0 ELSE 1 END
+               AS new_node_faults,
+           CASE WHEN j.confirmed THEN 'FAILED'
+                WHEN j.outgrown THEN 'QUEUED'
+                WHEN j.blamed AND j.blamed_before + 1 >= j.max_failures THEN 'FAILED'
+                WHEN NOT j.blamed AND j.node_faults + 1 >= j.max_node_faults THEN 'FAILED'
+                ELSE 'QUEUED' END AS new_state,
+           CASE WHEN NOT j.blamed AND NOT j.confirmed
+                     AND j.node_faults + 1 >= j.max_node_faults
+                THEN $4 || ' (' || (j.node_faults + 1) || ' attempts failed without the job'
+                     || ' being to blame; the bound is ' || j.max_node_faults || ')'
+                ELSE $4 END AS final_error
+    FROM judged j
 ), updated AS (
     UPDATE jobs j
-    SET state = d.new_state, failures = d.new_failures,
+    SET state = d.new_state, failures = d.new_failures, node_faults = d.new_node_faults,
+        min_vram_mb = CASE WHEN d.outgrown THEN greatest(j.min_vram_mb, d.node_vram_mb + 1)
+                           ELSE j.min_vram_mb END,
         lease_id = NULL, machine_id = NULL, lease_expires_at = NULL,
-        error = CASE WHEN d.new_state = 'FAILED' THEN $4 ELSE j.error END,
+        error = CASE WHEN d.new_state = 'FAILED' THEN d.final_error ELSE j.error END,
         failure_class = CASE WHEN d.new_state = 'FAILED' THEN $3 ELSE j.failure_class END,
         finished_at = CASE WHEN d.new_state = 'FAILED' THEN now() END,
         updated_at = now()
     FROM decided d WHERE j.job_id = d.job_id
     RETURNING j.*
 ), ended AS (
-    UPDATE leases l SET ended_at = now(), end_reason = 'failed: ' || lower($3)
+    UPDATE leases l SET ended_at = now(),
+                        end_reason = CASE WHEN t.outgrown THEN 'outgrown'
+                                          ELSE 'failed: ' || lower($3) END
     FROM target t WHERE l.lease_id = t.lease_id
 ), banned AS (
     INSERT INTO bans (job_id, machine_id, reason)
-    SELECT job_id, machine_id, $4 FROM target
+    SELECT job_id, machine_id, $4 FROM target WHERE NOT outgrown
     ON CONFLICT DO NOTHING
 ), logged AS (
     INSERT INTO job_events (job_id, kind, state, lease_id, machine_id, epoch, message, failure_class)
-    SELECT job_id, 'ATTEMPT_FAILED', new_state, lease_id, machine_id, epoch, $4, $3 FROM decided
+    SELECT job_id, 'ATTEMPT_FAILED', new_state, lease_id, machine_id, epoch,
+           CASE WHEN outgrown THEN $4 || ' (the job now needs more than this node''s '
+                                   || node_vram_mb || ' MiB: it goes to larger nodes only)'
+                ELSE $4 END,
+           $3
+    FROM decided
     UNION ALL
-    SELECT job_id, 'FAILED', 'FAILED', lease_id, machine_id, epoch, $4, $3 FROM decided
+    SELECT job_id, 'FAILED', 'FAILED', lease_id, machine_id, epoch, final_error, $3 FROM decided
     WHERE new_state = 'FAILED'
 )
 SELECT * FROM updated;

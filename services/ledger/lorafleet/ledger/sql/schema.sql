@@ -107,6 +107,11 @@ CREATE TABLE jobs (
     -- from before: NULL until the scheduler fills them at start).
     family              text NOT NULL DEFAULT 'sdxl',
     shape_key           text,
+    -- Failed attempts not blamed on the job (0021): node faults, stalls, errors from machines
+    -- not in good standing; `failures` counts only those it is blamed for. A job fails at
+    -- `max_node_faults` of them (larger than what a few machines can spend: one each).
+    node_faults         integer NOT NULL DEFAULT 0,
+    max_node_faults     integer GENERATED ALWAYS AS (greatest(10, 3 * max_failures)) STORED,
     UNIQUE (owner, idempotency_key),
     -- At most one live lease per job, and only a RUNNING job has one.
     CHECK ((state = 'RUNNING') = (lease_id IS NOT NULL)),
@@ -491,3 +496,27 @@ END $$;
 
 CREATE TRIGGER sample_tasks_notify AFTER INSERT OR UPDATE OF state, lease_id ON sample_tasks
     FOR EACH ROW EXECUTE FUNCTION lorafleet_notify_sample_task();
+
+-- A machine in good standing (0021): a provider vouched for it, and it delivered a verified
+-- result of its own since its last node fault. Only such machines' internal errors are blamed
+-- on a job (fail_attempt).
+CREATE FUNCTION lorafleet_good_standing(machine text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM machines m
+                   WHERE m.machine_id = machine AND m.identity_provider <> '')
+       AND coalesce((SELECT max(s.ended_at) FROM leases s
+                     WHERE s.machine_id = machine AND s.end_reason = 'succeeded')
+                    > coalesce((SELECT max(q.ended_at) FROM leases q
+                                WHERE q.machine_id = machine AND q.end_reason = 'failed: node'),
+                               '-infinity'), false)
+$$;
+
+-- The reference pace per GPU class (0021), in seconds per 1024x1024 image step: what the
+-- scaler judges a node slow against beside its live peers; learned only from machines in the
+-- fleet for hours, moved at a bounded rate (scaler/policy.py). A pinned class is not read.
+CREATE TABLE pace_references (
+    gpu_class        text PRIMARY KEY,
+    seconds_per_step float8 NOT NULL CHECK (seconds_per_step > 0),
+    machines         integer NOT NULL,
+    updated_at       timestamptz NOT NULL DEFAULT now()
+);
