@@ -221,16 +221,16 @@ class Machine:
     machine_id: str
     provider_instance_id: str
     gpu_model: str
+    # Memory a job can use, MiB (the GPU's; a CPU worker's host memory): claims filter by it.
     vram_mb: int
     qualified: bool
     version: str
+    # The model families its trainer serves (Hello.families; an older worker: sdxl only).
+    families: tuple[str, ...] = ("sdxl",)
 
-    # Memory a job can use, MiB (the GPU's; a CPU worker's host memory): claims filter by it.
 
 @dataclass(frozen=True, kw_only=True)
 class IdentityProof:
-    # The model families its trainer serves (Hello.families; an older worker: sdxl only).
-    families: tuple[str, ...] = ("sdxl",)
     """A Hello's proof of which machine the worker runs on: at most one kind is set (none: the
     machine is unverified). The scheduler's identity module checks it."""
 

@@ -382,11 +382,11 @@ def lease_ref_to_proto(ref: LeaseRef) -> fpb.LeaseRef:
 # More memory than any accelerator has (16 TiB): a larger figure is a lie that would make the
 # machine eligible for every min_vram_mb.
 MAX_VRAM_MB = 16 * 1024 * 1024
+MAX_FAMILIES = 32
 
 
 def machine_from_hello(hello: fpb.Hello) -> Machine:
     if not MACHINE_ID.fullmatch(hello.machine_id):
-MAX_FAMILIES = 32
         raise InvalidArgument("hello.machine_id", "must match [A-Za-z0-9_.:@-]{1,128}")
     if not 0 <= hello.vram_mb <= MAX_VRAM_MB:
         raise InvalidArgument("hello.vram_mb", f"must be 0..{MAX_VRAM_MB}")
@@ -399,23 +399,23 @@ MAX_FAMILIES = 32
             raise InvalidArgument(
                 f"hello.{name}", f"at most {MAX_WORKER_TEXT_CHARS} characters, no NUL"
             )
-    return Machine(
-        machine_id=hello.machine_id,
-        provider_instance_id=hello.provider_instance_id,
-        gpu_model=hello.gpu_model,
     if len(hello.families) > MAX_FAMILIES:
         raise InvalidArgument("hello.families", f"at most {MAX_FAMILIES} families")
     # A family this scheduler does not know (a newer worker's) is no job it could be offered;
     # none named is a worker from before families, which trains sdxl only.
     families = tuple(f for f in dict.fromkeys(hello.families) if f in FAMILIES)
+    return Machine(
+        machine_id=hello.machine_id,
+        provider_instance_id=hello.provider_instance_id,
+        gpu_model=hello.gpu_model,
         vram_mb=hello.vram_mb,
         qualified=hello.qualification.passed,
         version=hello.version,
+        families=families if hello.families else (DEFAULT_FAMILY,),
     )
 
 
 def identity_proof_from_hello(hello: fpb.Hello) -> IdentityProof:
-        families=families if hello.families else (DEFAULT_FAMILY,),
     """Sizes are bounded by the identity module, which also says what a bad proof is."""
     proof = hello.identity
     return IdentityProof(

@@ -451,11 +451,11 @@ class Ledger:
     ) -> None:
         self._pool = pool
         self.quarantine = quarantine or Quarantine()
-
-    @classmethod
         # The largest node class the fleet runs (MiB; 0: not configured; fail_attempt's $6):
         # what a node smaller than it cannot hold, a larger one may.
         self.fleet_max_vram_mb = fleet_max_vram_mb
+
+    @classmethod
     async def connect(
         cls,
         dsn: str,
@@ -463,9 +463,9 @@ class Ledger:
         min_size: int = 2,
         max_size: int = 20,
         quarantine: Quarantine | None = None,
+        fleet_max_vram_mb: int = 0,
     ) -> Ledger:
         try:
-        fleet_max_vram_mb: int = 0,
             pool = await asyncpg.create_pool(
                 dsn, min_size=min_size, max_size=max_size, init=_init_connection
             )
@@ -626,10 +626,10 @@ class Ledger:
                 [j.spec.resident_key for j in jobs],
                 [j.spec.compiled_shape_key for j in jobs],
                 [j.spec.adapter_shape_key for j in jobs],
-            )
-            by_id = {str(r["job_id"]): job_from_row(r) for r in rows}
                 [j.spec.family for j in jobs],
                 [j.spec.shape.key for j in jobs],
+            )
+            by_id = {str(r["job_id"]): job_from_row(r) for r in rows}
             by_key: dict[str, Job] = {}
             reused = [
                 j.idempotency_key for j in jobs if j.idempotency_key and j.job_id not in by_id
@@ -652,9 +652,9 @@ class Ledger:
                 [spec.resident_key for _, spec in specs],
                 [spec.compiled_shape_key for _, spec in specs],
                 [spec.adapter_shape_key for _, spec in specs],
+                [spec.shape.key for _, spec in specs],
             )
             filled += len(rows)
-                [spec.shape.key for _, spec in specs],
         return filled
 
     async def get_job(self, job_id: str, owner: str) -> Job | None:
@@ -705,9 +705,9 @@ class Ledger:
         secret_sha256: bytes,
         warm: WarmState | None = None,
         warm_bound_s: float = 0.0,
+        families: Sequence[str] = FAMILIES,
     ) -> Job | None:
         """Grants the best claimable job a new lease whose secret has this digest; nothing to
-        families: Sequence[str] = FAMILIES,
         a quarantined machine (`self.quarantine`). Only a job whose memory need fits `vram_mb`
         and whose family is one of `families` (the worker's Hello). Prefers a job the worker is
         `warm` for, unless a job has waited `warm_bound_s` (0: strict queue order)."""
@@ -727,9 +727,9 @@ class Ledger:
             list(warm.compiled_shapes),
             warm_bound_s,
             list(warm.adapter_shapes),
+            list(families),
         )
         return None if row is None else job_from_row(row)
-            list(families),
 
     async def resume_lease(
         self,
@@ -898,10 +898,10 @@ class Ledger:
             q.threshold,
             q.window_s,
             q.empty_lease_limit,
+            list(families),
         )
         return None if row is None else sample_task_from_row(row)
 
-            list(families),
     async def training_claimable(
         self, machine_id: str, vram_mb: int, families: Sequence[str] = FAMILIES
     ) -> bool:

@@ -1121,6 +1121,7 @@ FROM scaler_decisions ORDER BY decision_id DESC LIMIT $1;
 WITH candidate AS (
     SELECT s.task_id FROM sample_tasks s JOIN jobs j USING (job_id)
     WHERE s.state = 'QUEUED' AND j.min_vram_mb <= $2 AND NOT ($1 = ANY (s.banned_machines))
+      AND j.family = ANY ($9::text[])
       -- One live lease of any kind per machine (as claim_job): one stream cannot hoard tasks,
       -- and a machine back without resuming its training lease gets no task meanwhile.
       AND NOT EXISTS (SELECT 1 FROM jobs r WHERE r.machine_id = $1 AND r.state = 'RUNNING'
@@ -1147,7 +1148,6 @@ WITH candidate AS (
            'sample task ' || task_id || ' attempt ' || epoch FROM granted
 )
 SELECT g.*, j.spec, j.owner, j.traceparent FROM granted g JOIN jobs j USING (job_id);
-      AND j.family = ANY ($9::text[])
 
 -- name: training_claimable
 -- Whether machine $1 ($2 MB, serving the families $3) could claim a queued training job now:
