@@ -5,8 +5,10 @@ out-of-memory on a granted job is the scheduler's mistake, not the node's."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
+import asyncpg
 import grpc
 import pytest
 
@@ -18,6 +20,9 @@ from tests.support.fleet import Fleet
 from tests.support.workers import connect_worker
 
 FLUX_DEV = "black-forest-labs/FLUX.1-dev"
+# A folder on the workers: no estimate, so any node may take it (the default SDXL hub id in
+# fp32 needs ~22 GiB).
+LOCAL_MODEL = "/models/sdxl"
 # FLUX.1-dev as the QLoRA recipe trains it: ~11 GiB by the estimate.
 FLUX_QLORA: dict[str, Any] = dict(
     base_model=FLUX_DEV,
@@ -28,8 +33,8 @@ FLUX_QLORA: dict[str, Any] = dict(
 
 
 def need_mb(**spec: Any) -> int:
-    values = dict(instance_prompt="x", instance_data_prefix="d/", max_train_steps=1) | spec
-    return vram_need_mb(JobSpec(**values))
+    values: dict[str, Any] = dict(instance_prompt="x", instance_data_prefix="d/")
+    return vram_need_mb(JobSpec(**values, max_train_steps=1, **spec))
 
 
 async def test_a_job_no_node_of_the_fleet_can_hold_is_refused_naming_the_field(
@@ -62,8 +67,12 @@ async def test_no_fleet_size_no_refusal(fleet: Fleet) -> None:
 async def test_a_job_too_big_for_a_small_node_goes_to_a_big_one(fleet: Fleet) -> None:
     """The estimate (~11 GiB) is the job's need though its spec asks for no memory: a 10 GiB
     node that is idle first is passed over, a 24 GiB one is granted it."""
-    need = need_mb(base_model=FLUX_DEV, base_quantization="nf4", gradient_checkpointing=True,
-                   mixed_precision="bf16")  # fmt: skip
+    need = need_mb(
+        base_model=FLUX_DEV,
+        base_quantization="nf4",
+        gradient_checkpointing=True,
+        mixed_precision="bf16",
+    )
     assert 10_240 < need <= 24_576
     job = await fleet.alice.submit(**FLUX_QLORA)
     async with (
@@ -90,3 +99,73 @@ async def test_a_worker_that_does_not_serve_a_family_never_gets_its_jobs(fleet: 
         fleet.channel, fleet.token, "flux-node", families=["flux", "a-newer-family"]
     ) as w:
         assert (await w.ready_for_lease()).lease.job_id == flux.job_id
+
+
+async def test_out_of_memory_on_a_granted_job_moves_it_to_larger_nodes(
+    fleet: Fleet, database_url: str
+) -> None:
+    """A 16 GiB node runs out of memory on a job the estimate said fits (INTERNAL): the job
+    counts no failure and no node fault, the node is not banned from it (nor is its lease an
+    empty one toward quarantine), and the job now needs more than 16 GiB: the node is given
+    the next job instead, and a 24 GiB node gets this one."""
+    job = await fleet.alice.submit(**FLUX_QLORA, max_failures=1)
+    async with connect_worker(fleet.channel, fleet.token, "mid", vram_mb=16_384) as mid:
+        granted = await mid.ready_for_lease()
+        assert granted.lease.job_id == job.job_id
+        await mid.send(
+            job_failed=fpb.JobFailed(
+                lease=mid.ref(granted.lease),
+                failure_class=pb.FAILURE_CLASS_INTERNAL,
+                message="out of memory: CUDA out of memory. Tried to allocate 2.00 GiB",
+            )
+        )
+        queued = await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_QUEUED)
+        assert queued.failures == 0
+        other = await fleet.alice.submit(base_model=LOCAL_MODEL)
+        # Not the re-queued job (re-queued jobs go first): it no longer fits this node.
+        assert (await mid.ready_for_lease()).lease.job_id == other.job_id
+    conn = await asyncpg.connect(database_url)
+    try:
+        row = await conn.fetchrow(
+            "SELECT min_vram_mb, node_faults, failures,"
+            " (SELECT count(*) FROM bans b WHERE b.job_id = j.job_id) AS bans,"
+            " (SELECT array_agg(end_reason) FROM leases l WHERE l.job_id = j.job_id) AS ends"
+            " FROM jobs j WHERE job_id = $1",
+            uuid.UUID(job.job_id),
+        )
+    finally:
+        await conn.close()
+    assert row["min_vram_mb"] == 16_385 and row["bans"] == 0, dict(row)
+    assert row["failures"] == 0 and row["node_faults"] == 0, dict(row)
+    assert row["ends"] == ["outgrown"], dict(row)
+    async with connect_worker(fleet.channel, fleet.token, "big", vram_mb=24_576) as big:
+        assert (await big.ready_for_lease()).lease.job_id == job.job_id
+    failed = [
+        e
+        for e in await fleet.alice.events(job.job_id)
+        if e.kind == pb.JOB_EVENT_KIND_ATTEMPT_FAILED
+    ]
+    assert "more than this node's 16384 MiB" in failed[0].message
+
+
+async def test_out_of_memory_on_the_largest_node_class_is_an_internal_error(
+    fleet: Fleet,
+) -> None:
+    """On a node of the largest class there is no larger one to move to: an INTERNAL error
+    like any other (that machine is not handed the job again), and the job's need is not
+    raised past every node (another 24 GiB node is granted it)."""
+    job = await fleet.alice.submit(**FLUX_QLORA)
+    async with connect_worker(fleet.channel, fleet.token, "big", vram_mb=24_576) as big:
+        granted = await big.ready_for_lease()
+        await big.send(
+            job_failed=fpb.JobFailed(
+                lease=big.ref(granted.lease),
+                failure_class=pb.FAILURE_CLASS_INTERNAL,
+                message="CUDA out of memory",
+            )
+        )
+        await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_QUEUED)
+        other = await fleet.alice.submit(base_model=LOCAL_MODEL)
+        assert (await big.ready_for_lease()).lease.job_id == other.job_id
+    async with connect_worker(fleet.channel, fleet.token, "big-2", vram_mb=24_576) as big_2:
+        assert (await big_2.ready_for_lease()).lease.job_id == job.job_id
