@@ -38,7 +38,9 @@ ESTIMATE = (
 
 @pytest.fixture
 def scheduler_overrides() -> dict[str, object]:
-    return {"price_per_gpu_hour": 3.6}  # a tenth of a cent per GPU-second
+    # A tenth of a cent per GPU-second; the operator pins the prior near what the fleet runs
+    # (0.6 s per 1024x1024 image step): the fleet's figure counts within 2x of it.
+    return {"price_per_gpu_hour": 3.6, "estimate_prior_s_per_step": 0.6}
 
 
 async def _sql(fleet: Fleet, query: str, *args: object) -> None:
@@ -247,6 +249,7 @@ async def test_one_machine_counts_once_and_too_few_machines_give_no_estimate(
         assert estimate.samples == 4 and estimate.seconds_per_step == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("scheduler_overrides", [{"price_per_gpu_hour": 3.6}])
 async def test_a_shape_never_measured_is_priced_at_the_prior(fleet: Fleet) -> None:
     """No measurement is not "free": a spend limit prices the job at the prior (1.5 s per
     1024x1024 image step), while the estimate says there is none."""
@@ -264,3 +267,32 @@ async def test_a_shape_never_measured_is_priced_at_the_prior(fleet: Fleet) -> No
         # Then the queued one counts at the prior too: $0.375 + $0.75 > $1.
         with pytest.raises(FailedPrecondition, match=r"unfinished jobs are estimated at \$0\.38"):
             await client.submit(spec, max_train_steps=500)
+
+
+@pytest.mark.parametrize("scheduler_overrides", [{"price_per_gpu_hour": 3.6}])
+async def test_colluding_machines_move_another_tenants_figures_at_most_2x(fleet: Fleet) -> None:
+    """Three verified machines of one holder. (1) They succeed 100-step jobs 6.6 s after the
+    grant with tiny valid LoRA files (0.066 s/step, above the plausibility floor): another
+    tenant's estimate, from the fleet's figure, stays within 2x of the prior (1.5 s/step), where
+    it fell 23x. (2) The holder's own key submits 1-step jobs its machines hold for 25 s: that
+    shape's fleet figure is 25 s/step, and another tenant's ordinary $1.50 submit under a $5
+    limit was refused ($25); now another tenant's numbers never refuse a submit. The holder's
+    own key is priced by its own jobs."""
+    spec = {"instance_prompt": "a dog", "instance_data_prefix": "dogs/rex"}
+    target = f"127.0.0.1:{fleet.scheduler.port}"
+    other = await create_api_key(fleet.scheduler.ledger, "bob", spend_limit_dollars=5.0)
+    await _measured_jobs(fleet, {"h1": 6.6, "h2": 6.6, "h3": 6.6}, steps=100)
+    async with AsyncClient(target, api_key=other.key) as client:
+        estimate = await client.estimate(spec, max_train_steps=1000)
+        assert estimate.samples == 3
+        assert 1.5 / 2 <= estimate.seconds_per_step <= 1.5 * 2, estimate
+
+    # The same three machines hold the holder's own 1-step jobs of another shape for 25 s.
+    await _measured_jobs(fleet, {"h1": 25.0, "h2": 25.0, "h3": 25.0}, steps=1)
+    # (1-step jobs at resolution 1024: the same shape; 25 s/step is now h1-h3's median there,
+    # and the holder's own figure, 6.6 s per 100 steps and 25 s per step, is its business.)
+    async with AsyncClient(target, api_key=other.key) as client:
+        estimate = await client.estimate(spec, max_train_steps=1000)
+        assert 1.5 / 2 <= estimate.seconds_per_step <= 1.5 * 2, estimate
+        job = await client.submit(spec, max_train_steps=1000)  # $1.50 at the prior, not $25
+        assert job.spec.max_train_steps == 1000

@@ -565,7 +565,9 @@ class Ledger:
         gradient_accumulation_steps: int,
         train_text_encoder: bool,
         min_seconds_per_step: float,
+        api_key_id: str | None = None,
     ) -> ShapePace:
+        """`api_key_id`: only that key's jobs (a tenant's own figure); None: every job."""
         row = await self._fetchrow(
             "pace_for_shape",
             window_s,
@@ -574,6 +576,7 @@ class Ledger:
             gradient_accumulation_steps,
             train_text_encoder,
             min_seconds_per_step,
+            api_key_id or "",
         )
         assert row is not None
         return ShapePace(machines=row["machines"], seconds_per_step=row["seconds_per_step"])

@@ -27,7 +27,7 @@ from lorafleet.core.model import (
 )
 from lorafleet.core.model_refs import check_model_ref_shape
 from lorafleet.core.spec import JobSpec, check_path, check_sample_settings
-from lorafleet.ledger.ledger import Ledger, NewJob, WebhookDeliveryRecord
+from lorafleet.ledger.ledger import Ledger, NewJob, ShapePace, WebhookDeliveryRecord
 from lorafleet.scheduler.notifications import Notifications
 from lorafleet.scheduler.paces import Pace, pace_shape
 from lorafleet.scheduler.signing import Artifacts, UrlSigner
@@ -170,33 +170,22 @@ class JobHandler:
         batch_size: int,
         gradient_accumulation_steps: int,
         train_text_encoder: bool,
+        api_key_id: str | None = None,
+        admission: bool = False,
     ) -> Pace:
-        """The fleet's pace on a job shape from verified completions only (the ledger's clock
+        """Seconds per step of a job shape, from verified completions only (the ledger's clock
         from grant to a result the store verified, one figure per provider-verified machine,
-        their median): what a worker says of its own speed never prices anyone's job. A
-        completion faster than the plausibility floor (`min_plausible_s_per_step` scaled to the
-        shape) is no training and counts for nothing. Below `estimate_min_machines` machines,
-        the prior."""
-        measured = await self._ledger.pace_for_shape(
-            window_s=self._estimate_window_s,
-            resolution=resolution,
-            batch_size=batch_size,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            train_text_encoder=train_text_encoder,
-            min_seconds_per_step=shape_seconds_per_step(
-                self._min_plausible_s_per_step,
-                resolution=resolution,
-                batch_size=batch_size,
-                gradient_accumulation_steps=gradient_accumulation_steps,
-                train_text_encoder=train_text_encoder,
-            ),
-        )
-        if measured.machines >= self._estimate_min_machines and measured.seconds_per_step > 0:
-            return Pace(
-                seconds_per_step=measured.seconds_per_step,
-                machines=measured.machines,
-                measured=True,
-            )
+        their median, at least `estimate_min_machines`): what a worker says of its own speed
+        never prices anyone's job, and a completion faster than the plausibility floor
+        (`min_plausible_s_per_step` scaled to the shape) is no training.
+
+        Whose numbers: a tenant's own jobs (`api_key_id`'s) price its own estimates and
+        submits. Without a figure of its own, the fleet's, bounded to within 2x of the prior
+        (`estimate_prior_s_per_step`, which the operator pins for the fleet they run): a few
+        machines of one holder, completing their own or anyone's jobs fast or slow, move
+        another tenant's figure by at most 2x. For `admission` (spend limits) the fleet's figure
+        is never above the prior either: another tenant's numbers never refuse a submit. With
+        no figure at all, the prior."""
         prior = shape_seconds_per_step(
             self._estimate_prior_s_per_step,
             resolution=resolution,
@@ -204,9 +193,44 @@ class JobHandler:
             gradient_accumulation_steps=gradient_accumulation_steps,
             train_text_encoder=train_text_encoder,
         )
-        return Pace(seconds_per_step=prior, machines=measured.machines, measured=False)
+        floor = shape_seconds_per_step(
+            self._min_plausible_s_per_step,
+            resolution=resolution,
+            batch_size=batch_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            train_text_encoder=train_text_encoder,
+        )
 
-    async def spec_pace(self, spec: JobSpec) -> Pace:
+        async def measure(key: str | None) -> ShapePace:
+            return await self._ledger.pace_for_shape(
+                window_s=self._estimate_window_s,
+                resolution=resolution,
+                batch_size=batch_size,
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                train_text_encoder=train_text_encoder,
+                min_seconds_per_step=floor,
+                api_key_id=key,
+            )
+
+        def enough(m: ShapePace) -> bool:
+            return m.machines >= self._estimate_min_machines and m.seconds_per_step > 0
+
+        if api_key_id:
+            own = await measure(api_key_id)
+            if enough(own):
+                return Pace(
+                    seconds_per_step=own.seconds_per_step, machines=own.machines, measured=True
+                )
+        fleet = await measure(None)
+        if enough(fleet):
+            high = prior if admission else 2.0 * prior
+            bounded = min(max(fleet.seconds_per_step, prior / 2.0), high)
+            return Pace(seconds_per_step=bounded, machines=fleet.machines, measured=True)
+        return Pace(seconds_per_step=prior, machines=fleet.machines, measured=False)
+
+    async def spec_pace(
+        self, spec: JobSpec, *, api_key_id: str | None = None, admission: bool = False
+    ) -> Pace:
         """`pace` of the spec's shape (`pace_shape`)."""
         resolution, batch_size, accumulation, train_text_encoder = pace_shape(spec)
         return await self.pace(
@@ -214,12 +238,15 @@ class JobHandler:
             batch_size=batch_size,
             gradient_accumulation_steps=accumulation,
             train_text_encoder=train_text_encoder,
+            api_key_id=api_key_id,
+            admission=admission,
         )
 
     async def estimate(self, spec: JobSpec, *, api_key_id: str | None) -> Estimate:
-        """max_train_steps x the fleet's measured pace on jobs of the same shape, priced; no
-        estimate (0) while too few machines have measured it."""
-        pace = await self.spec_pace(spec)
+        """max_train_steps x the measured pace on jobs of the same shape (the key's own, else
+        the fleet's within 2x of the prior: `pace`), priced; no estimate (0) while too few
+        machines have measured it."""
+        pace = await self.spec_pace(spec, api_key_id=api_key_id)
         seconds_per_step = pace.seconds_per_step if pace.measured else 0.0
         seconds = spec.max_train_steps * seconds_per_step
         price = self._price_per_gpu_hour
@@ -237,7 +264,9 @@ class JobHandler:
     async def _check_spend_limit(self, api_key_id: str, specs: Sequence[JobSpec]) -> None:
         """Billed so far, plus the estimated rest of the key's unfinished jobs, plus this submit
         must stay within the key's limit (so many quick submits cannot outrun the billing).
-        Unmeasured shapes are priced at the prior, never at nothing."""
+        Priced by the key's own figures, else the fleet's no higher than the prior (`pace`,
+        admission): another tenant's numbers never refuse a submit. Unmeasured shapes are
+        priced at the prior, never at nothing."""
         spending = await self._ledger.key_spending(api_key_id)
         limit = spending.spend_limit_dollars
         if limit is None:
@@ -252,13 +281,15 @@ class JobHandler:
                 batch_size=work.batch_size,
                 gradient_accumulation_steps=work.gradient_accumulation_steps,
                 train_text_encoder=work.train_text_encoder,
+                api_key_id=api_key_id,
+                admission=True,
             )
             pending_s += work.steps * pace.seconds_per_step
             priced_by_prior |= not pace.measured
         pending = pending_s * price / 3600
         expected_s = 0.0
         for spec in specs:
-            pace = await self.spec_pace(spec)
+            pace = await self.spec_pace(spec, api_key_id=api_key_id, admission=True)
             expected_s += spec.max_train_steps * pace.seconds_per_step
             priced_by_prior |= not pace.measured
         expected = expected_s * price / 3600

@@ -37,6 +37,7 @@ LIMIT 1000;
 -- leases), so that one machine moves the figure no more than any other; then the median over
 -- machines, and how many machines it rests on. A completion faster than $6 s/step (the
 -- plausibility floor for the shape) is no training (a garbage result stored fast): left out.
+-- $7: only jobs submitted with this API key (a tenant's own figure, JobHandler.pace); '' all.
 WITH done AS (
     SELECT l.machine_id,
            extract(epoch FROM l.ended_at - l.granted_at)::float8
@@ -54,6 +55,7 @@ WITH done AS (
       AND (j.spec ->> 'train_batch_size')::int = $3
       AND coalesce((j.spec ->> 'gradient_accumulation_steps')::int, 1) = $4
       AND (j.spec ->> 'train_text_encoder')::boolean = $5
+      AND ($7::text = '' OR j.api_key_id = $7::text)
 ), per_machine AS (
     SELECT machine_id,
            percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds_per_step) AS seconds_per_step
