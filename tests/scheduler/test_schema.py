@@ -166,3 +166,28 @@ def test_every_named_query_has_a_ledger_method_and_no_method_names_a_missing_one
             used.add(str(node.slice.value))
     assert used - set(QUERIES) == set(), "methods name queries that queries.sql lacks"
     assert set(QUERIES) - used == set(), "queries.sql has sections no Ledger method runs"
+
+
+async def test_a_lease_without_an_interval_is_judged_by_the_reference_interval(
+    database_url: str,
+) -> None:
+    """`lorafleet_lease_interval`: the lease's chosen interval, else the spec's, else the named
+    `lorafleet_reference_interval()` (the stall bound's unit), never a number of its own."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        reference = await conn.fetchval("SELECT lorafleet_reference_interval()")
+        assert reference == 100
+
+        async def interval(spec: str, lease_steps: int | None) -> int:
+            value = await conn.fetchval(
+                "SELECT lorafleet_lease_interval($1::jsonb, $2)", spec, lease_steps
+            )
+            assert isinstance(value, int)
+            return value
+
+        assert await interval('{"checkpointing_steps": 0}', 40) == 40
+        assert await interval('{"checkpointing_steps": 250}', None) == 250
+        assert await interval('{"checkpointing_steps": 0}', None) == reference
+        assert await interval("{}", None) == reference
+    finally:
+        await conn.close()

@@ -262,22 +262,36 @@ class _FailureClassEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FailureC
     DESCRIPTOR: _descriptor.EnumDescriptor
     FAILURE_CLASS_UNSPECIFIED: _FailureClass.ValueType  # 0
     FAILURE_CLASS_NODE: _FailureClass.ValueType  # 1
-    """CUDA error, out of memory, driver: bans the machine, counts toward max_failures."""
+    """The machine's fault (CUDA or driver error, a stalled lease): bans the machine from the
+    job and counts in node_faults and toward the machine's quarantine, never in failures.
+    """
     FAILURE_CLASS_INPUT: _FailureClass.ValueType  # 2
-    """Unreadable images, impossible parameters: fails the job at once."""
+    """The job's (unreadable images, impossible parameters): fails it once confirmed (by a second
+    machine, or by one the operator runs); unconfirmed, it counts in node_faults.
+    """
     FAILURE_CLASS_INTERNAL: _FailureClass.ValueType  # 3
-    """A bug in lorafleet: counts toward max_failures, bans nobody."""
+    """A bug in lorafleet, or an accelerator out of memory (the scheduler sized the job wrong):
+    counts in failures only from machines in good standing; an out-of-memory on a node
+    smaller than the fleet's largest raises the job's memory need and counts nothing.
+    """
 
 class FailureClass(_FailureClass, metaclass=_FailureClassEnumTypeWrapper):
     """Who is to blame for a failed attempt (docs/DESIGN.md, "Failure classes")."""
 
 FAILURE_CLASS_UNSPECIFIED: FailureClass.ValueType  # 0
 FAILURE_CLASS_NODE: FailureClass.ValueType  # 1
-"""CUDA error, out of memory, driver: bans the machine, counts toward max_failures."""
+"""The machine's fault (CUDA or driver error, a stalled lease): bans the machine from the
+job and counts in node_faults and toward the machine's quarantine, never in failures.
+"""
 FAILURE_CLASS_INPUT: FailureClass.ValueType  # 2
-"""Unreadable images, impossible parameters: fails the job at once."""
+"""The job's (unreadable images, impossible parameters): fails it once confirmed (by a second
+machine, or by one the operator runs); unconfirmed, it counts in node_faults.
+"""
 FAILURE_CLASS_INTERNAL: FailureClass.ValueType  # 3
-"""A bug in lorafleet: counts toward max_failures, bans nobody."""
+"""A bug in lorafleet, or an accelerator out of memory (the scheduler sized the job wrong):
+counts in failures only from machines in good standing; an out-of-memory on a node
+smaller than the fleet's largest raises the job's memory need and counts nothing.
+"""
 Global___FailureClass: _TypeAlias = FailureClass  # noqa: Y015
 
 class _WebhookEvent:

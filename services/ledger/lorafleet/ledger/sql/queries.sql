@@ -367,8 +367,9 @@ SELECT job_id, lease_id, machine_id, epoch FROM expired;
 -- and the job's node_faults (not its max_failures: fail_attempt), and the job is re-queued from
 -- its newest checkpoint. Heartbeats
 -- keep a lease from expiring but are no progress. The bound is $1 seconds for a job that
--- checkpoints every 100 steps, scaled by its interval (never below $1) plus $1 per 100 class
--- images it may have to generate first; the holder's stream is revoked by the NOTIFY.
+-- checkpoints every lorafleet_reference_interval() (100) steps, scaled by its interval (never
+-- below $1), plus $1 per 100 class images it may have to generate first; the holder's stream
+-- is revoked by the NOTIFY.
 WITH stalled AS (
     SELECT job_id, lease_id, machine_id, epoch, node_faults, max_node_faults,
            round(extract(epoch FROM now() - lease_progress_at))::bigint AS silent_s
@@ -376,7 +377,8 @@ WITH stalled AS (
     WHERE state = 'RUNNING'
       AND lease_progress_at < now() - make_interval(secs => $1 * (
             greatest(1.0, least(lorafleet_lease_interval(spec, lease_checkpoint_steps),
-                                 max_train_steps) / 100.0)
+                                 max_train_steps)
+                            / lorafleet_reference_interval()::float8)
             + CASE WHEN (spec ->> 'with_prior_preservation')::boolean
                    THEN (spec ->> 'num_class_images')::int / 100.0 ELSE 0 END))
     ORDER BY lease_progress_at

@@ -442,14 +442,22 @@ CREATE INDEX sample_tasks_queued_idx ON sample_tasks (created_at) WHERE state = 
 CREATE INDEX sample_tasks_job_idx ON sample_tasks (job_id, step);
 CREATE INDEX sample_tasks_running_idx ON sample_tasks (lease_expires_at) WHERE state = 'RUNNING';
 
--- Steps between a job's checkpoints under its live lease: the lease's chosen interval, else the
--- spec's; 100 (the former default) for an unresolved auto or an older spec. Never 0.
-CREATE FUNCTION lorafleet_lease_interval(spec jsonb, lease_steps integer) RETURNS integer
+-- The interval a lease is judged by when it has none of its own (0022): an auto spec under a
+-- lease granted before 0018. The spec's fixed default before auto, and the interval the stall
+-- bound (lease_stall_s) is stated for.
+CREATE FUNCTION lorafleet_reference_interval() RETURNS integer
 LANGUAGE sql IMMUTABLE AS $$
     SELECT CASE WHEN coalesce(lease_steps, 0) > 0 THEN lease_steps
                 WHEN coalesce((spec ->> 'checkpointing_steps')::int, 0) > 0
                     THEN (spec ->> 'checkpointing_steps')::int
-                ELSE 100 END
+    SELECT 100
+$$;
+
+-- Steps between a job's checkpoints under its live lease: the lease's chosen interval, else the
+-- spec's, else the reference interval. Never 0.
+CREATE FUNCTION lorafleet_lease_interval(spec jsonb, lease_steps integer)
+RETURNS integer LANGUAGE sql IMMUTABLE AS $$
+                ELSE lorafleet_reference_interval() END
 $$;
 
 -- Leases of machine $1 that ended in the last $2 s without work: given up by a Ready, drained,
