@@ -152,7 +152,8 @@ class SchedulerConfig(ServiceSettings):
         description="seconds a lease may hold a job without verified progress (its grant, then a"
         " checkpoint the store verified past the next multiple of the job's checkpointing_steps)"
         " before it is revoked as a node fault; heartbeats are not progress. This is the bound"
-        " for a job checkpointing every 100 steps (the default): model load plus one interval"
+        " for a job checkpointing every 100 steps (the ledger's reference interval,"
+        " lorafleet_reference_interval()): model load plus one interval"
         " on the slowest node; longer intervals scale it, and each 100 class images to generate"
         " adds as much again",
     )

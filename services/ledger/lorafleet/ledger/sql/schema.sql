@@ -444,7 +444,7 @@ CREATE INDEX sample_tasks_running_idx ON sample_tasks (lease_expires_at) WHERE s
 
 -- The interval a lease is judged by when it has none of its own (0022): an auto spec under a
 -- lease granted before 0018. The spec's fixed default before auto, and the interval the stall
--- bound (lease_stall_s) is stated for.
+-- bound (lease_progress_timeout_s) is stated for.
 CREATE FUNCTION lorafleet_reference_interval() RETURNS integer
 LANGUAGE sql IMMUTABLE AS $$
     SELECT CASE WHEN coalesce(lease_steps, 0) > 0 THEN lease_steps

@@ -3,7 +3,8 @@
 -- auto (0) and a lease with no chosen interval, which only a lease granted before 0018 can be
 -- (the scheduler records its choice at every grant, set_lease_interval, and sends no grant it
 -- could not choose for). 100 steps was the spec's fixed default before auto, and it is the
--- interval the stall bound is stated for (the scheduler's lease_stall_s, stall_leases).
+-- interval the stall bound is stated for (stall_leases, the scheduler's
+-- lease_progress_timeout_s).
 CREATE FUNCTION lorafleet_reference_interval() RETURNS integer
 LANGUAGE sql IMMUTABLE AS $$
     SELECT 100
