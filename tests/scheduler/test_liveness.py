@@ -37,6 +37,7 @@ from tests.support.images import png
 from tests.support.jobs import PREFIX, JobClient
 from tests.support.replicas import (
     SHARED_STORAGE_SECRET,
+    PostgresGate,
     SchedulerProcess,
     TcpBalancer,
     scheduler_process,
@@ -189,3 +190,143 @@ async def test_a_frozen_replica_is_left_within_the_bound_and_no_lease_expires(
         gc.collect()  # a stream dropped without being closed would complain now
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, errors
+
+
+async def lease_of(database_url: str, job_id: str) -> tuple[str, str | None, int]:
+    conn = await asyncpg.connect(database_url)
+    try:
+        row = await conn.fetchrow(
+            "SELECT state, lease_id::text, epoch FROM jobs WHERE job_id = $1", job_id
+        )
+    finally:
+        await conn.close()
+    assert row is not None
+    return str(row["state"]), row["lease_id"], int(row["epoch"])
+
+
+async def test_a_restart_longer_than_the_silence_it_may_lapse_in_keeps_the_lease(
+    database_url: str, tmp_path: Path, cpu_qualification: QualificationResult
+) -> None:
+    """Finding 2: the one replica is killed and started again; its worker gets through only
+    8 s after the new process is up. The lease's last heartbeat is then more than a TTL old,
+    but a TTL had not passed with a scheduler there to hear it: the lease must be resumed."""
+    ttl_s = 10.0
+    data_dir = shared_data_dir(tmp_path / "shared")
+    store = LocalObjectStore(
+        LocalStoreConfig(root_dir=data_dir / "objects", secret_key=SHARED_STORAGE_SECRET.encode())
+    )
+    await store.put_bytes(upload_key("alice", PREFIX, "1.png"), png(1))
+    ledger = await Ledger.connect(database_url, max_size=2)
+    try:
+        key = (await create_api_key(ledger, "alice")).key
+    finally:
+        await ledger.close()
+    # The default sweep interval (5 s): a restart is not noticed by a sweep gone quiet.
+    env = dict(
+        LORAFLEET_WORKER_TOKEN=TOKEN,
+        LORAFLEET_LEASE_TTL_S=str(ttl_s),
+        LORAFLEET_HEARTBEAT_INTERVAL_S="1",
+    )
+    balancer = TcpBalancer([])
+    await balancer.start()
+    loop = asyncio.get_running_loop()
+    agent = Agent(
+        worker_config("w0", balancer.address, tmp_path),
+        trainer_factory=simulated_trainer_factory(step_s=0.05, checkpoint_bytes=4096),
+        qualification=cpu_qualification,
+    )
+    try:
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(scheduler_process(database_url, data_dir, env))
+            balancer.retarget([first.port])
+            await stack.enter_async_context(running(agent))
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{first.port}") as channel:
+                client = JobClient(pbgrpc.JobServiceStub(channel), key)
+                job = await client.submit(**LONG_JOB)
+            async with asyncio.timeout(60):
+                await agent.wait_for_state(State.LEASED)
+            _, lease_id, epoch = await lease_of(database_url, job.job_id)
+            balancer.retarget([])  # the worker cannot get through until the test says so
+            first.proc.kill()
+            await first.proc.wait()
+            killed_at = loop.time()
+            second = await stack.enter_async_context(scheduler_process(database_url, data_dir, env))
+            # The worker comes back 8 s after the new process is up: within a TTL of that,
+            # and, on a machine that starts a scheduler in under 2 s, past a TTL of its lease's
+            # last heartbeat.
+            await asyncio.sleep(8.0)
+            balancer.retarget([second.port])
+            back_after = loop.time() - killed_at
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{second.port}") as channel:
+                client = JobClient(pbgrpc.JobServiceStub(channel), key)
+                await client.wait_event(job.job_id, pb.JOB_EVENT_KIND_LEASE_RESUMED, timeout=ttl_s)
+            assert await lease_of(database_url, job.job_id) == ("RUNNING", lease_id, epoch)
+            assert agent.runner is not None and agent.runner.ref.lease_id == lease_id
+            kinds = [kind for kind, _ in await job_events(database_url, job.job_id)]
+            assert "LEASE_EXPIRED" not in kinds, (back_after, kinds)
+            assert "LEASE_RESUMED" in kinds, kinds
+    finally:
+        await balancer.close()
+
+
+async def test_a_postgres_outage_longer_than_the_ttl_costs_no_lease(
+    database_url: str, tmp_path: Path, cpu_qualification: QualificationResult
+) -> None:
+    """Finding 3: Postgres is unreachable for longer than the TTL. No replica could hear a
+    heartbeat meanwhile, so no lease lapses; the worker keeps training and, once the ledger is
+    back, commits its next checkpoint under the same lease."""
+    ttl_s = 6.0
+    gate = PostgresGate(database_url)
+    await gate.start()
+    data_dir = shared_data_dir(tmp_path / "shared")
+    store = LocalObjectStore(
+        LocalStoreConfig(root_dir=data_dir / "objects", secret_key=SHARED_STORAGE_SECRET.encode())
+    )
+    await store.put_bytes(upload_key("alice", PREFIX, "1.png"), png(1))
+    ledger = await Ledger.connect(database_url, max_size=2)
+    try:
+        key = (await create_api_key(ledger, "alice")).key
+    finally:
+        await ledger.close()
+    env = dict(
+        LORAFLEET_WORKER_TOKEN=TOKEN,
+        LORAFLEET_LEASE_TTL_S=str(ttl_s),
+        LORAFLEET_HEARTBEAT_INTERVAL_S="1",
+        LORAFLEET_SWEEP_INTERVAL_S="0.5",
+    )
+    try:
+        async with AsyncExitStack() as stack:
+            scheduler = await stack.enter_async_context(scheduler_process(gate.url, data_dir, env))
+            agent = Agent(
+                worker_config("w0", f"127.0.0.1:{scheduler.port}", tmp_path),
+                trainer_factory=simulated_trainer_factory(step_s=0.02, checkpoint_bytes=4096),
+                qualification=cpu_qualification,
+            )
+            await stack.enter_async_context(running(agent))
+            channel = await stack.enter_async_context(
+                grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}")
+            )
+            client = JobClient(pbgrpc.JobServiceStub(channel), key)
+            job = await client.submit(max_train_steps=50_000, checkpointing_steps=50)
+            first = await client.wait_event(
+                job.job_id, pb.JOB_EVENT_KIND_CHECKPOINT_COMMITTED, timeout=60
+            )
+            _, lease_id, epoch = await lease_of(database_url, job.job_id)
+            gate.down()
+            await asyncio.sleep(ttl_s + 4.0)  # the outage: longer than the TTL
+            gate.up()
+            # Committed after the outage, under the same lease: nothing was lost.
+            before = (await client.get(job.job_id)).latest_checkpoint.step
+            assert before >= first.step
+            await client.wait_event(
+                job.job_id,
+                pb.JOB_EVENT_KIND_CHECKPOINT_COMMITTED,
+                where=lambda e: e.step > before and e.epoch == epoch,
+                timeout=30,
+            )
+            assert await lease_of(database_url, job.job_id) == ("RUNNING", lease_id, epoch)
+            kinds = [kind for kind, _ in await job_events(database_url, job.job_id)]
+            assert "LEASE_EXPIRED" not in kinds, kinds
+            assert agent.runner is not None and agent.runner.ref.lease_id == lease_id
+    finally:
+        await gate.close()

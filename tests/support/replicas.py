@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 SHARED_STORAGE_SECRET = "shared-secret-for-both-replicas-0123456789"
 
@@ -135,6 +136,9 @@ class TcpBalancer:
         return f"127.0.0.1:{self.port}"
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.targets:
+            writer.transport.abort()
+            return
         index = self._next % len(self.targets)
         self._next += 1
         self.routed[index] += 1
@@ -167,6 +171,13 @@ class TcpBalancer:
             with contextlib.suppress(Exception):
                 writer.close()
 
+    def retarget(self, targets: Sequence[int]) -> None:
+        """New connections go to `targets` from now on (empty: each is closed at once, as a
+        load balancer with no healthy backend does); open ones are left alone."""
+        self.targets = list(targets)
+        self.routed = [0] * len(self.targets)
+        self._next = 0
+
     def route_next_to(self, index: int) -> None:
         """The next new connection goes to `targets[index]` (then round-robin from there)."""
         self._next = index
@@ -176,6 +187,83 @@ class TcpBalancer:
             self._server.close()
             for writer in list(self._writers):
                 writer.transport.abort()
+            await self._server.wait_closed()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+@dataclass
+class PostgresGate:
+    """A loopback TCP front for a Postgres (TCP host and port, or a unix socket directory as
+    the embedded server's `?host=` URLs name it). `down()` is an outage: every connection is
+    reset and new ones are closed at once; `up()` ends it. `url` is `database_url` through it."""
+
+    database_url: str
+    port: int = 0
+    is_down: bool = False
+    _server: asyncio.Server | None = None
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _writers: set[asyncio.StreamWriter] = field(default_factory=set)
+
+    def _target(self) -> tuple[str, int] | str:
+        parts = urlsplit(self.database_url)
+        host = dict(parse_qsl(parts.query)).get("host") or parts.hostname or "127.0.0.1"
+        port = parts.port or 5432
+        if host.startswith("/"):
+            return f"{host}/.s.PGSQL.{port}"
+        return (host, port)
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        parts = urlsplit(self.database_url)
+        query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k not in ("host", "port")])
+        user = f"{parts.username}@" if parts.username else ""
+        if parts.password:
+            user = f"{parts.username}:{parts.password}@"
+        return urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{self.port}", query=query))
+
+    def down(self) -> None:
+        self.is_down = True
+        for writer in list(self._writers):
+            writer.transport.abort()
+
+    def up(self) -> None:
+        self.is_down = False
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.is_down:
+            writer.transport.abort()
+            return
+        target = self._target()
+        try:
+            if isinstance(target, str):
+                up_reader, up_writer = await asyncio.open_unix_connection(target)
+            else:
+                up_reader, up_writer = await asyncio.open_connection(*target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers.update((writer, up_writer))
+        pumps = [
+            asyncio.ensure_future(TcpBalancer._pump(reader, up_writer)),
+            asyncio.ensure_future(TcpBalancer._pump(up_reader, writer)),
+        ]
+        self._tasks.update(pumps)
+        await asyncio.gather(*pumps, return_exceptions=True)
+        self._tasks.difference_update(pumps)
+        for w in (writer, up_writer):
+            self._writers.discard(w)
+            w.close()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self.down()
             await self._server.wait_closed()
         for task in list(self._tasks):
             task.cancel()

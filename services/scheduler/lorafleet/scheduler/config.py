@@ -391,11 +391,18 @@ class SchedulerConfig(ServiceSettings):
         return self
 
     @property
+    def attend_interval_s(self) -> float:
+        """How often each replica tells the ledger it reaches it (sweeper.Sweeper.attend)."""
+        return min(1.0, self.sweep_interval_s)
+
+    @property
     def outage_after_s(self) -> float:
-        """How long every replica must have been silent (no sweep) for a starting replica to
-        call it an outage and give running leases a TTL back: three sweep intervals, but never
-        more than a TTL, or an outage between the two would expire every lease."""
-        return min(3 * self.sweep_interval_s, self.lease_ttl_s)
+        """How long the ledger must have heard from no replica for that to count as an outage
+        (of Postgres, or of every replica) that gives live leases a TTL back: three attend
+        intervals and at least 2 s (a replica's event loop may stall that long on a busy
+        machine), but never more than a TTL, or an outage between the two would expire every
+        lease."""
+        return min(max(3 * self.attend_interval_s, 2.0), self.lease_ttl_s)
 
     @property
     def storage(self) -> S3Config | LocalStorage:

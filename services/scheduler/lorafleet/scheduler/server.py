@@ -192,6 +192,8 @@ class Scheduler(AsyncLifecycle):
             upload_url_ttl_s=cfg.lease_put_ttl_s,
             machine_retention_s=cfg.machine_retention_s,
             lease_progress_timeout_s=cfg.lease_progress_timeout_s,
+            lease_ttl_s=cfg.lease_ttl_s,
+            outage_after_s=cfg.outage_after_s,
         )
         # Before anything can expire a lease: if every replica was down, the workers get a TTL
         # from now to reconnect in (the outage was not theirs).
@@ -339,6 +341,9 @@ class Scheduler(AsyncLifecycle):
         self._tasks.append(asyncio.create_task(self._dispatcher.run(), name="dispatch"))
         self._tasks.append(
             asyncio.create_task(self._sweeper.run(cfg.sweep_interval_s), name="sweeper")
+        )
+        self._tasks.append(
+            asyncio.create_task(self._sweeper.attend(cfg.attend_interval_s), name="attend")
         )
         webhooks = WebhookSender(
             ledger=self._ledger,

@@ -1,6 +1,12 @@
 """The sweeper: expires lapsed leases, revokes stalled ones (no verified progress) and applies
 checkpoint retention. Safe on every replica.
 
+Beside it, every replica attends the ledger about once a second (`attend`): a lease's TTL
+counts only time in which some replica reached the ledger, on the ledger's clock (queries.sql,
+attend_replica). A restart of every replica, or a Postgres outage, of any length therefore
+costs no lease whose holder reconnects within a TTL of the scheduler being back. Each sweep
+attends first, so no replica expires a lease before the silence it lapsed in is accounted for.
+
 Every step is one ledger statement that locks what it changes (`FOR UPDATE SKIP LOCKED`), so
 replicas sweeping at once never do a thing twice. A sweep that meets an unavailable ledger or
 store is logged and tried again next interval; any other error ends `run()` and so reaches
@@ -35,7 +41,11 @@ class Sweeper:
         upload_url_ttl_s: float,
         machine_retention_s: float = 3600.0,
         lease_progress_timeout_s: float = 1800.0,
+        lease_ttl_s: float | None = None,
+        outage_after_s: float = 3.0,
     ) -> None:
+        """`lease_ttl_s` set: each sweep (and `attend`) gives leases their TTL back after
+        `outage_after_s` of the ledger hearing from no replica; None: it only says alive."""
         self._ledger = ledger
         self._storage = storage
         self._retention = checkpoint_retention
@@ -51,10 +61,39 @@ class Sweeper:
         # A lease that holds a job without verified progress (heartbeats alone) for this long
         # (scaled per job by the ledger: `stall_leases`) is revoked as a node fault.
         self._lease_progress_timeout_s = lease_progress_timeout_s
+        self._lease_ttl_s = lease_ttl_s
+        self._outage_after_s = outage_after_s
+
+    async def attend_once(self) -> None:
+        """This replica reaches the ledger: a replica starting later knows the fleet was not
+        all down, and leases lapsed while nobody reached it get their TTL back."""
+        if self._lease_ttl_s is None:
+            await self._ledger.touch_replica(self._replica_id)
+            return
+        extended = await self._ledger.attend_replica(
+            self._replica_id, self._lease_ttl_s, self._outage_after_s
+        )
+        if extended:
+            log.warning(
+                "no replica reached the ledger for a while (an outage of Postgres or of every"
+                " replica); live leases get a TTL to report in",
+                leases=extended,
+                lease_ttl_s=self._lease_ttl_s,
+            )
+
+    async def attend(self, interval_s: float) -> None:
+        """`attend_once` every `interval_s`, apart from the sweep (a slow sweep must not look
+        like an outage); an unreachable ledger is tried again next interval."""
+        while True:
+            try:
+                await self.attend_once()
+            except Exception as exc:
+                if not is_retryable(exc):
+                    raise
+            await asyncio.sleep(interval_s)
 
     async def sweep_once(self) -> None:
-        # This replica is alive: a replica starting later knows the fleet was not all down.
-        await self._ledger.touch_replica(self._replica_id)
+        await self.attend_once()
         for expired in await self._ledger.expire_leases():
             metrics.LEASE_EXPIRIES.inc()
             metrics.REQUEUES.labels("expired").inc()
