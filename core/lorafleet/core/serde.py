@@ -468,6 +468,8 @@ class HeartbeatReport:
     loss: float | None
     learning_rate: float | None
     seconds_per_step: float | None
+    # The worker's word on its step running compiled (None: it did not say).
+    step_compiled: bool | None = None
 
 
 def heartbeat_from_proto(hb: fpb.Heartbeat) -> HeartbeatReport:
@@ -482,6 +484,7 @@ def heartbeat_from_proto(hb: fpb.Heartbeat) -> HeartbeatReport:
         loss=finite_or_none(hb.loss),
         learning_rate=finite_or_none(hb.learning_rate),
         seconds_per_step=finite_or_none(hb.seconds_per_step),
+        step_compiled=hb.step_compiled if hb.HasField("step_compiled") else None,
     )
 
 

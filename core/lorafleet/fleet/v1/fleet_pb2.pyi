@@ -413,11 +413,17 @@ class Heartbeat(_message.Message):
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
     SECONDS_PER_STEP_FIELD_NUMBER: _builtins.int
     GPU_MEMORY_MB_FIELD_NUMBER: _builtins.int
+    STEP_COMPILED_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     loss: _builtins.float
     learning_rate: _builtins.float
     seconds_per_step: _builtins.float
     gpu_memory_mb: _builtins.int
+    step_compiled: _builtins.bool
+    """Whether the lease's training step runs compiled (torch.compile) now; unset: the worker does
+    not say. Its word: it only chooses which pace this node's own is compared with (a fresh
+    eager node is not held to warm compiled peers), never anyone else's.
+    """
     @_builtins.property
     def lease(self) -> Global___LeaseRef:
         """Empty when idle: then it only says the machine is alive."""
@@ -431,12 +437,15 @@ class Heartbeat(_message.Message):
         learning_rate: _builtins.float = ...,
         seconds_per_step: _builtins.float = ...,
         gpu_memory_mb: _builtins.int = ...,
+        step_compiled: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_step_compiled", b"_step_compiled", "lease", b"lease", "step_compiled", b"step_compiled"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_memory_mb", b"gpu_memory_mb", "learning_rate", b"learning_rate", "lease", b"lease", "loss", b"loss", "seconds_per_step", b"seconds_per_step", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step_compiled", b"_step_compiled", "gpu_memory_mb", b"gpu_memory_mb", "learning_rate", b"learning_rate", "lease", b"lease", "loss", b"loss", "seconds_per_step", b"seconds_per_step", "step", b"step", "step_compiled", b"step_compiled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__step_compiled: _TypeAlias = _typing.Literal["step_compiled"]  # noqa: Y015
+    _WhichOneofArgType__step_compiled: _TypeAlias = _typing.Literal["_step_compiled", b"_step_compiled"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step_compiled) -> _WhichOneofReturnType__step_compiled | None: ...
 
 Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
 

@@ -759,9 +759,11 @@ class Ledger:
         learning_rate: float | None,
         seconds_per_step: float | None,
         on_timeline: bool = True,
+        step_compiled: bool | None = None,
     ) -> bool:
         """Extends the lease; False when it is no longer the job's (the sender is fenced off).
-        `on_timeline`: also record a HEARTBEAT event (callers rate-limit those)."""
+        `on_timeline`: also record a HEARTBEAT event (callers rate-limit those).
+        `step_compiled`: whether the holder says its step runs compiled (None: not said)."""
         row = await self._fetchrow(
             "heartbeat",
             _uuid_or_nil(lease_id),
@@ -772,6 +774,7 @@ class Ledger:
             learning_rate,
             seconds_per_step,
             on_timeline,
+            step_compiled,
         )
         return row is not None
 

@@ -326,6 +326,7 @@ class WorkerHandler:
             learning_rate=hb.learning_rate,
             seconds_per_step=hb.seconds_per_step,
             on_timeline=on_timeline,
+            step_compiled=hb.step_compiled,
         )
         if not alive:
             self._reject(session, hb.lease, "the lease is no longer the job's")

@@ -690,7 +690,7 @@ class Agent(AsyncLifecycle):
         if runner is None or not runner.holds_lease:
             return fpb.Heartbeat()  # idle: keeps the machine seen
         progress = runner.progress.latest()
-        return fpb.Heartbeat(
+        heartbeat = fpb.Heartbeat(
             lease=runner.ref,
             step=progress.step,
             loss=progress.loss,
@@ -698,6 +698,12 @@ class Agent(AsyncLifecycle):
             seconds_per_step=progress.seconds_per_step,
             gpu_memory_mb=progress.gpu_memory_mb,
         )
+        if isinstance(runner, LeaseRunner) and self.config.keep_base_model:
+            # The run compiles its step on the resident model, which then holds that shape
+            # (and forgets it if the run falls back to eager): a membership test, safe to read
+            # while the training thread runs. Without a resident model it says nothing.
+            heartbeat.step_compiled = self.resident.is_compiled(runner.compiled_shape_key)
+        return heartbeat
 
     # Messages from the scheduler --------------------------------------------------------------
 

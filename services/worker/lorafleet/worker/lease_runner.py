@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -215,6 +216,12 @@ class LeaseRunner:
         return self._inputs.reused_class_images
 
     # Control from the agent (event loop) ------------------------------------------------------
+
+    @functools.cached_property
+    def compiled_shape_key(self) -> str:
+        """The compiled-step shape of the lease's job (`JobSpec.compiled_shape_key`): the agent
+        says in its heartbeats whether the resident model holds it compiled."""
+        return spec_from_proto(self.grant.spec).compiled_shape_key
 
     @property
     def holds_lease(self) -> bool:

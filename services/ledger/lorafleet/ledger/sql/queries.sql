@@ -313,6 +313,7 @@ SELECT * FROM resumed;
 -- name: heartbeat
 -- $1 lease, $2 epoch, $3 ttl s, $4 step, $5 loss, $6 lr, $7 s/step. Extends the lease.
 -- $8: whether this one goes on the timeline (the session rate-limits HEARTBEAT events).
+-- $9: whether the holder says its step runs compiled (NULL: it does not say).
 WITH live AS (
     UPDATE jobs
     SET lease_expires_at = now() + make_interval(secs => $3),
@@ -329,7 +330,8 @@ WITH live AS (
     -- The holder's pace, for the scaler (0007): latest s/step, first and last step reported.
     UPDATE leases
     SET last_heartbeat_at = now(), seconds_per_step = coalesce($7, seconds_per_step),
-        first_step = coalesce(first_step, $4), last_step = $4
+        first_step = coalesce(first_step, $4), last_step = $4,
+        step_compiled = coalesce($9, step_compiled)
     WHERE lease_id = (SELECT lease_id FROM live)
 ), logged AS (
     INSERT INTO job_events (job_id, kind, lease_id, machine_id, epoch, step, loss, seconds_per_step)

@@ -145,6 +145,9 @@ CREATE TABLE leases (
     seconds_per_step  real,
     first_step        bigint,
     last_step         bigint,
+    -- Whether its step ran compiled, as the holder says (0023; NULL: it did not say): the
+    -- scaler compares a node's pace only with what a node of its compile state runs.
+    step_compiled     boolean,
     -- One grant per attempt, ever: the ledger itself forbids granting a job twice.
     UNIQUE (job_id, epoch)
 );
