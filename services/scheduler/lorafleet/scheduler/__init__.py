@@ -8,8 +8,11 @@ Both sides follow one path: a servicer (`servicers.py`) decodes each request int
 * WorkerService.Connect: `servicers.WorkerServicer` → `worker_handler.WorkerHandler` →
   `Ledger`; beside it `dispatcher.Dispatcher`, which tells workers what the ledger decided
   without being asked (grants, revocations), and `sessions.WorkerSessions`, the registry of
-  connected workers, each `WorkerSession` with its state, its lease, its bounds and its send
-  queue (`send`; the servicer writes the queue to the stream).
+  connected workers, each `WorkerSession` with its state (changed only by the named
+  transitions of `sessions.TRANSITIONS`), its lease (a `TrainingLease` or a `SampleLease`),
+  its bounds and its send queue (`send`; the servicer writes the queue to the stream).
+
+The whole design, with the same map in prose: docs/DESIGN.md.
 
 A map of the worker stream, for the questions a newcomer asks first:
 
@@ -40,12 +43,13 @@ Where a lease is granted.
 
 Where a checkpoint goes from the stream into the ledger.
     In the worker, the training loop's `on_checkpoint` hook hands a snapshot to
-    `worker.lease_runner.LeaseRunner._on_checkpoint`; `CheckpointPipeline` uploads it
-    (`LeaseRunner._upload_checkpoint`: serialise, `UrlsRequested`, PUT) and sends
-    `CheckpointCommitted`. Here: `WorkerServicer._receive` →
+    `worker.lease_runner.LeaseRunner._on_checkpoint`; `worker.uploads.CheckpointPipeline`
+    uploads it (`LeaseUploads.upload_checkpoint`: serialise, `UrlsRequested`, PUT) and sends
+    `CheckpointCommitted` (stored, not yet recorded). Here: `WorkerServicer._receive` →
     `serde.checkpoint_report_from_proto` (fields) → `WorkerHandler.checkpoint_committed`:
-    fenced by the stream (`WorkerSession.holds`), key checked (`serde.check_checkpoint_key`),
-    the object verified in the store (`_stored_as_announced`), then
+    fenced by the stream (`WorkerSession.training_lease`), key checked
+    (`serde.check_checkpoint_key`), the object verified in the store
+    (`_stored_as_announced`) and in its format (`_checkpoint_in_format`), then
     `Ledger.commit_checkpoint` (the `commit_checkpoint` query, fenced by lease and epoch);
     old checkpoints are pruned after (`Sweeper.prune_checkpoints`).
 
