@@ -8,14 +8,19 @@ provider was called.
 from __future__ import annotations
 
 from lorafleet.scaler.policy import Action, Decision
-from lorafleet.scaler.provider import Provider
+from lorafleet.scaler.provider import Provider, StillWanted
 
 
-async def apply(provider: Provider, decision: Decision) -> bool:
+async def apply(
+    provider: Provider, decision: Decision, *, still_wanted: StillWanted | None = None
+) -> bool:
+    """`still_wanted`: asked before each retry of a scale (see `Provider.scale_to`)."""
     match decision.action:
         case Action.SCALE:
             assert decision.replicas is not None
-            await provider.scale_to(decision.replicas, remove=decision.remove)
+            await provider.scale_to(
+                decision.replicas, remove=decision.remove, still_wanted=still_wanted
+            )
         case Action.REALLOCATE:
             await provider.reallocate(decision.target)
         case Action.RESTART:

@@ -40,6 +40,7 @@ from lorafleet.scaler.provider import (
     ProviderError,
     ProviderRejected,
     ProviderUnavailable,
+    StillWanted,
 )
 
 log = structlog.get_logger(__name__)
@@ -172,7 +173,9 @@ class Ec2SpotProvider:
     async def replicas(self) -> int:
         return sum(1 for i in await self.list_instances() if i.state in LIVE_STATES)
 
-    async def scale_to(self, replicas: int, *, remove: Sequence[str] = ()) -> None:
+    async def scale_to(
+        self, replicas: int, *, remove: Sequence[str] = (), still_wanted: StillWanted | None = None
+    ) -> None:
         if replicas < 0:
             raise ValueError("replicas: must be >= 0")
         await self._terminate(remove)

@@ -30,7 +30,7 @@ import structlog
 
 from lorafleet.core.identity import local_identity_token
 from lorafleet.core.retry import backoff_delay
-from lorafleet.scaler.provider import Instance, InstanceState
+from lorafleet.scaler.provider import Instance, InstanceState, StillWanted
 
 log = structlog.get_logger(__name__)
 
@@ -154,7 +154,9 @@ class LocalProcessProvider:
     async def replicas(self) -> int:
         return sum(1 for slot in self._slots.values() if not slot.stopping)
 
-    async def scale_to(self, replicas: int, *, remove: Sequence[str] = ()) -> None:
+    async def scale_to(
+        self, replicas: int, *, remove: Sequence[str] = (), still_wanted: StillWanted | None = None
+    ) -> None:
         if replicas < 0:
             raise ValueError("replicas: must be >= 0")
         if self._gpus and replicas > self._gpus:

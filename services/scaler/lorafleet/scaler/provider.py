@@ -25,7 +25,7 @@ an operator must fix something first (a wrong key, a group that does not exist).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -84,6 +84,28 @@ class ProviderUnavailable(ProviderError):
         super().__init__(message, retryable=True)
 
 
+class ActionWithdrawn(ProviderError):
+    """An action given up between two retries because its reason had gone."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlowCall:
+    """A provider call that needed retries: how long it took in all, and why it retried."""
+
+    what: str
+    seconds: float
+    attempts: int
+    error: str
+    deadline_s: float  # the call's own bound
+
+
+# Asked before each retry of an action: None to go on, else why the action is no longer wanted.
+StillWanted = Callable[[], Awaitable[str | None]]
+
+
 class Provider(Protocol):
     async def list_instances(self) -> list[Instance]:
         """Every instance the provider holds for this fleet, in any state."""
@@ -93,10 +115,15 @@ class Provider(Protocol):
         """The desired instance count the provider holds now (0 for a stopped group)."""
         ...
 
-    async def scale_to(self, replicas: int, *, remove: Sequence[str] = ()) -> None:
+    async def scale_to(
+        self, replicas: int, *, remove: Sequence[str] = (), still_wanted: StillWanted | None = None
+    ) -> None:
         """Desired number of worker instances (0 when idle). When shrinking, `remove` names
         the instances to go (idle ones, chosen by the policy); a provider never removes a
-        named instance while growing, and never picks a busy one by itself if it can help it."""
+        named instance while growing, and never picks a busy one by itself if it can help it.
+        A provider that retries asks `still_wanted()` before each retry and raises
+        `ActionWithdrawn` when it says no: a change retried for long must not outlive its
+        reason (a replica added for a job cancelled meanwhile is a cold start for nothing)."""
         ...
 
     async def reallocate(self, instance_id: str) -> None:

@@ -57,11 +57,14 @@ from salad_cloud_sdk.services.container_groups import (
 
 from lorafleet.core.retry import backoff_delay
 from lorafleet.scaler.provider import (
+    ActionWithdrawn,
     Instance,
     InstanceState,
     ProviderError,
     ProviderRejected,
     ProviderUnavailable,
+    SlowCall,
+    StillWanted,
 )
 
 log = structlog.get_logger(__name__)
@@ -155,6 +158,7 @@ class SaladProvider:
         self._service = _ContainerGroups(base_url=config.base_url.rstrip("/"))
         self._service.set_api_key(config.api_key)
         self._service.set_timeout(max(1, int(config.request_timeout_s * 1000)))
+        self._slow_calls: list[SlowCall] = []
 
     @property
     def where(self) -> str:
@@ -175,35 +179,72 @@ class SaladProvider:
         return ProviderRejected(message, status=failure.status)
 
     async def _call(
-        self, what: str, fn: Callable[..., T], *args: Any, deadline: float | None = None
+        self,
+        what: str,
+        fn: Callable[..., T],
+        *args: Any,
+        deadline: float | None = None,
+        still_wanted: StillWanted | None = None,
     ) -> T:
-        """`fn(*args)` in a thread, retried on transient failures until the deadline."""
+        """`fn(*args)` in a thread, retried on transient failures until the deadline; before
+        each retry `still_wanted()` (when given) may withdraw the call (`ActionWithdrawn`)."""
         loop = asyncio.get_running_loop()
+        started = loop.time()
         if deadline is None:
-            deadline = loop.time() + self._config.deadline_s
+            deadline = started + self._config.deadline_s
         attempt = 0
-        while True:
-            try:
-                return await asyncio.to_thread(fn, *args)
-            except Exception as exc:
-                failure = _classify(exc)
-                if not failure.retryable:
-                    raise self._rejected(what, failure) from None
-                delay = self._delay(attempt, failure)
-                if loop.time() + delay > deadline:
-                    raise ProviderUnavailable(
-                        f"SaladCloud {what} ({self.where}): still failing after"
-                        f" {attempt + 1} attempts: {failure.text}"
-                    ) from None
-                log.warning(
-                    "salad call failed; retrying",
-                    call=what,
-                    error=failure.text,
-                    attempt=attempt + 1,
-                    retry_in_s=round(delay, 3),
+        last_error = ""
+        answered = False
+        try:
+            while True:
+                try:
+                    result = await asyncio.to_thread(fn, *args)
+                    answered = True
+                    return result
+                except Exception as exc:
+                    failure = _classify(exc)
+                    last_error = failure.text
+                    if not failure.retryable:
+                        raise self._rejected(what, failure) from None
+                    delay = self._delay(attempt, failure)
+                    if loop.time() + delay > deadline:
+                        raise ProviderUnavailable(
+                            f"SaladCloud {what} ({self.where}): still failing after"
+                            f" {attempt + 1} attempts: {failure.text}"
+                        ) from None
+                    log.warning(
+                        "salad call failed; retrying",
+                        call=what,
+                        error=failure.text,
+                        attempt=attempt + 1,
+                        retry_in_s=round(delay, 3),
+                    )
+                    await asyncio.sleep(delay)
+                    attempt += 1
+                    why_not = await still_wanted() if still_wanted is not None else None
+                    if why_not is not None:
+                        raise ActionWithdrawn(
+                            f"SaladCloud {what}: withdrawn after {attempt} failed attempts"
+                            f" ({loop.time() - started:.0f} s): {why_not}"
+                        ) from None
+        finally:
+            # A call that went through after retries (one that failed has its own row).
+            if answered and attempt > 0:
+                self._slow_calls.append(
+                    SlowCall(
+                        what=what,
+                        seconds=loop.time() - started,
+                        attempts=attempt + 1,
+                        error=last_error[:300],
+                        deadline_s=deadline - started,
+                    )
                 )
-                await asyncio.sleep(delay)
-                attempt += 1
+
+    def take_slow_calls(self) -> list[SlowCall]:
+        """The calls that needed retries since the last take (the service reads them after each
+        tick: one that spent much of its deadline retrying gets a `scaler-log` row)."""
+        calls, self._slow_calls = self._slow_calls, []
+        return calls
 
     def _delay(self, attempt: int, failure: _Failure) -> float:
         if failure.retry_after_s is not None:
@@ -234,7 +275,9 @@ class SaladProvider:
         )
         return [_instance(i) for i in listed.instances]
 
-    async def scale_to(self, replicas: int, *, remove: Sequence[str] = ()) -> None:
+    async def scale_to(
+        self, replicas: int, *, remove: Sequence[str] = (), still_wanted: StillWanted | None = None
+    ) -> None:
         if not 0 <= replicas <= 500:
             raise ValueError("replicas: SaladCloud allows 0 to 500")
         group = await self._group()
@@ -247,6 +290,7 @@ class SaladProvider:
                 self._service.update_container_group,
                 ContainerGroupPatch(replicas=replicas),
                 *self._path(),
+                still_wanted=still_wanted,
             )
         if replicas > 0 and _text(group.current_state.status) in _STOPPED_GROUP:
             await self._call("start group", self._service.start_container_group, *self._path())

@@ -37,7 +37,7 @@ import re
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import asyncpg
@@ -59,10 +59,12 @@ from lorafleet.scaler.policy import (
     PastAction,
     PolicyConfig,
     QueuedJob,
+    Reference,
     Snapshot,
     decide,
+    learn_references,
 )
-from lorafleet.scaler.provider import Provider, ProviderError
+from lorafleet.scaler.provider import ActionWithdrawn, Provider, ProviderError, SlowCall
 
 log = structlog.get_logger(__name__)
 
@@ -185,6 +187,9 @@ class Scaler(AsyncLifecycle):
         self._active = asyncio.Event()
         self._wake = asyncio.Event()
         self._tick_lock = asyncio.Lock()
+        # The machine ids on the provider's instances at the last snapshot (a retried
+        # scale-up reads the work for them again).
+        self._listed_machines: list[str] = []
         self._run_task: asyncio.Task[None] | None = None
         self.ticks = 0
         # The HOLD rows this scaler wrote on its previous tick, by (target, fold key): a HOLD
@@ -350,6 +355,7 @@ class Scaler(AsyncLifecycle):
         # and a lease under a machine id on no instance (unless a provider vouched for it) is
         # no node's work.
         ids = sorted({i.machine_id for i in instances if i.machine_id})
+        self._listed_machines = ids
         work = await self._ledger.scaler_work(ids)
         paces = await self._ledger.pace_observations(self._observation_window_s, _MAX_OBSERVATIONS)
         by_machine: dict[str, list[PaceObservation]] = defaultdict(list)
@@ -392,9 +398,16 @@ class Scaler(AsyncLifecycle):
                 fault_times=r.recent_fault_times,
                 observations=tuple(by_machine.get(r.machine_id, ())),
                 verified=r.identity_provider != "",
+                age_s=(r.last_seen_at - r.first_seen_at).total_seconds(),
             )
             for r in records
         )
+        references = {
+            r.gpu_class: Reference(
+                seconds_per_step=r.seconds_per_step, updated_at=r.updated_at, machines=r.machines
+            )
+            for r in await self._ledger.pace_references()
+        }
         banned = await self._ledger.banned_queued_jobs(_MAX_BANNED_JOBS) if work.queued > 0 else []
         horizon = max(c.reallocate_window_s, c.cooldown_s, c.reallocate_holdoff_s)
         recent = await self._ledger.recent_scaler_actions(now - horizon)
@@ -422,6 +435,7 @@ class Scaler(AsyncLifecycle):
                 PastAction(at=a.at, action=Action(a.action), target=a.target, job_id=a.job_id)
                 for a in recent
             ),
+            references=references,
         )
 
     async def tick(self) -> list[Outcome]:
@@ -433,7 +447,9 @@ class Scaler(AsyncLifecycle):
             metrics.TICKS.inc()
             self._held_now = {}
             try:
-                return await self._tick()
+                outcomes = await self._tick()
+                slow = await self._record_slow_calls()
+                return outcomes if slow is None else [*outcomes, slow]
             finally:
                 self._held_before, self._held_now = self._held_now, {}
 
@@ -445,6 +461,11 @@ class Scaler(AsyncLifecycle):
             log.warning("provider unavailable; nothing decided this tick", error=str(exc))
             metrics.PROVIDER_FAILURES.inc()
             return [await self._record_provider_failure(exc)]
+        # The reference paces learned from long-lived machines, moved at a bounded rate.
+        for gpu_class, ref in learn_references(snapshot, self._policy).items():
+            await self._ledger.set_pace_reference(
+                gpu_class, ref.seconds_per_step, ref.machines, ref.updated_at
+            )
         outcomes: list[Outcome] = []
         provider_down: str | None = None
         # A busy node whose deletion cost could not be raised may tie with the named victims:
@@ -475,6 +496,42 @@ class Scaler(AsyncLifecycle):
             if self._report is not None:
                 self._report(outcome)
         return outcomes
+
+    async def _record_slow_calls(self) -> Outcome | None:
+        """A `scaler-log` row for a tick whose provider calls spent at least half of a call's
+        deadline retrying: an action that went through late (or a read that did) is otherwise
+        invisible there, although the fleet waited for it."""
+        # Providers that retry say which calls did (SaladProvider.take_slow_calls).
+        take = getattr(self._provider, "take_slow_calls", None)
+        if take is None:
+            return None
+        calls: list[SlowCall] = take()
+        slow = [c for c in calls if c.seconds >= 0.5 * c.deadline_s]
+        if not slow:
+            return None
+        spent = sum(c.seconds for c in slow)
+        deadline_s = max(c.deadline_s for c in slow)
+        named = "; ".join(
+            f"{c.what}: {c.seconds:.0f} s, {c.attempts} attempts ({c.error})" for c in slow[:5]
+        )
+        hold = Decision(
+            action=Action.HOLD,
+            target=PROVIDER,
+            reason=f"the provider kept this tick retrying for {spent:.0f} s of a"
+            f" {deadline_s:g} s call deadline: {named}",
+            figures={
+                "retry_s": round(spent, 1),
+                "calls": len(slow),
+                "deadline_s": round(deadline_s, 1),
+            },
+        )
+        if self.dry_run:
+            return Outcome(decision=hold, applied=False, dry_run=True)
+        decision_id, folded = await self._record(hold, "slow-provider")
+        outcome = Outcome(decision=hold, applied=False, decision_id=decision_id, folded=folded)
+        if self._report is not None:
+            self._report(outcome)
+        return outcome
 
     async def _record(self, d: Decision, key: str, error: str | None = None) -> tuple[int, bool]:
         """The decision's ledger row, at the time it is written (a HOLD repeated from this
@@ -547,6 +604,9 @@ class Scaler(AsyncLifecycle):
                 raise
             try:
                 applied, error = await self._act(d)
+            except ActionWithdrawn as exc:
+                error = f"withdrawn: {exc}"
+                log.info("scaler action withdrawn", action=d.action.value, reason=str(exc))
             except ProviderError as exc:
                 prefix = _UNAVAILABLE if exc.retryable else "refused"
                 error, provider_failed = f"{prefix}: {exc}", True
@@ -591,8 +651,28 @@ class Scaler(AsyncLifecycle):
                 return False, (
                     f"not tried: {', '.join(taken)} took a lease since the snapshot; deciding again"
                 )
-        await apply(self._provider, d)
+        grows = d.action is Action.SCALE and not d.remove and (d.replicas or 0) > 0
+        await apply(self._provider, d, still_wanted=self._scale_up_wanted(d) if grows else None)
         return True, None
+
+    def _scale_up_wanted(self, d: Decision) -> Callable[[], Awaitable[str | None]]:
+        """Asked before each retry of a scale-up: the work read again from the ledger. A
+        scale-up serves queued jobs (or the replica floor); once none is queued, a replica it
+        adds would only cold-start and then be held for the cooldown, so it is withdrawn."""
+        target = d.replicas or 0
+
+        async def wanted() -> str | None:
+            if target <= self._policy.min_replicas:
+                return None
+            work = await self._ledger.scaler_work(self._listed_machines)
+            if work.queued > 0:
+                return None
+            return (
+                f"no job is queued any more ({work.running} running): the scale-up to"
+                f" {target} replicas lost its reason while it was retried"
+            )
+
+        return wanted
 
     async def _victims_now_leased(self, remove: Sequence[str]) -> list[str]:
         """The instances chosen for scale-in whose machine holds a lease now (a job was
