@@ -439,16 +439,22 @@ async def watch(client: AsyncClient, job_id: str, *, as_json: bool) -> int:
     from rich.progress import Progress
 
     final: Job | None = None
+    console = Console(stderr=True)
+
+    def waiting(message: str) -> None:
+        # The scheduler is down or silent: say what the watch waits for (on stderr), then
+        # that it is back, rather than nothing for minutes.
+        console.print(message or "the scheduler answers again", style="yellow")
+
     if as_json:
-        async for update in client.watch(job_id):
+        async for update in client.watch(job_id, on_waiting=waiting):
             final = update.job
             if update.event is not None:
                 print(json.dumps(event_json(update.event)), flush=True)
         return 0 if final is not None and final.state is JobState.SUCCEEDED else 1
-    console = Console(stderr=True)
     with Progress(*watch_columns(), console=console, transient=False) as progress:
         task = None
-        async for update in client.watch(job_id):
+        async for update in client.watch(job_id, on_waiting=waiting):
             job = final = update.job
             p = job.progress
             state = job.state.value.lower()

@@ -19,7 +19,8 @@ import asyncio
 import builtins
 import hashlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -64,6 +65,32 @@ from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 # WatchJob reopening after the scheduler was unreachable: the first wait, doubling up to the last.
 _RECONNECT_FIRST_DELAY_S = 0.25
 _RECONNECT_MAX_DELAY_S = 5.0
+# Calls that may be sent again when an attempt got no answer: reads, cancel (a second cancel
+# answers the same), and SubmitJob with its idempotency key (the client fills one in).
+_IDEMPOTENT = frozenset(
+    {
+        "GetJob",
+        "ListJobs",
+        "ListJobEvents",
+        "CancelJob",
+        "EstimateJob",
+        "GetJobArtifacts",
+        "ListWebhookDeliveries",
+        "CreateUploadUrls",
+        "SubmitJob",
+    }
+)
+# The client's channel: its own connection (a fresh channel after a replica went silent must be
+# a new TCP connection, or a load balancer never picks again), and reconnect backoff bounded so
+# a scheduler that is back is found within a couple of seconds.
+_CHANNEL_OPTIONS = (
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+)
 
 T = TypeVar("T")
 DEFAULT_TARGET = "localhost:50051"
@@ -201,29 +228,101 @@ class AsyncClient(AsyncLifecycle):
         tls: bool = False,
         root_certificates: bytes | None = None,
         timeout_s: float = 60.0,
+        attempt_timeout_s: float = 10.0,
+        ready_wait_s: float = 10.0,
+        watch_silence_s: float = 45.0,
     ) -> None:
+        """`timeout_s` bounds each call as a whole. Within it, a call waits up to
+        `ready_wait_s` for a scheduler to be reachable (one restarting is waited for, not
+        reported), and a call that may be repeated (reads, cancel, submit) gives one attempt
+        `attempt_timeout_s` before it takes the replica behind its connection as hung and tries
+        again on a new connection (a load balancer then picks again). A watch that hears
+        nothing for `watch_silence_s` (the scheduler sends the job every 15 s while nothing
+        happens) is opened again likewise."""
         self.target = target or os.environ.get("LORAFLEET_TARGET", DEFAULT_TARGET)
         key = api_key or os.environ.get("LORAFLEET_API_KEY", "")
         self._metadata = (("authorization", f"Bearer {key}"),)
         self._timeout_s = timeout_s
+        self._attempt_timeout_s = attempt_timeout_s
+        self._ready_wait_s = ready_wait_s
+        self._watch_silence_s = watch_silence_s
+        self._tls = tls
+        self._root_certificates = root_certificates
+        self._channel = self._new_channel()
+        self._old_channels: set[asyncio.Task[None]] = set()
+
+    def _new_channel(self) -> grpc.aio.Channel:
         # A client span per call, and its trace context sent along (the scheduler's spans join
         # the caller's trace, e.g. the CLI command's).
         interceptors = aio_client_interceptors()
-        if tls:
-            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
-            self._channel = grpc.aio.secure_channel(self.target, creds, interceptors=interceptors)
-        else:
-            self._channel = grpc.aio.insecure_channel(self.target, interceptors=interceptors)
-        self._stub = pbgrpc.JobServiceStub(self._channel)
+        if self._tls:
+            creds = grpc.ssl_channel_credentials(root_certificates=self._root_certificates)
+            return grpc.aio.secure_channel(
+                self.target, creds, options=_CHANNEL_OPTIONS, interceptors=interceptors
+            )
+        return grpc.aio.insecure_channel(
+            self.target, options=_CHANNEL_OPTIONS, interceptors=interceptors
+        )
+
+    @property
+    def _stub(self) -> pbgrpc.JobServiceStub:
+        return pbgrpc.JobServiceStub(self._channel)
+
+    def _reconnect(self, channel: grpc.aio.Channel) -> None:
+        """Drops `channel` (if still the current one) for a new connection. Closing it (which
+        cancels its calls) runs in the background; `close()` waits for that."""
+        if channel is not self._channel:
+            return
+        self._channel = self._new_channel()
+        task = asyncio.get_running_loop().create_task(channel.close())
+        self._old_channels.add(task)
+        task.add_done_callback(self._old_channels.discard)
 
     async def close(self) -> None:
+        await asyncio.gather(*self._old_channels, return_exceptions=True)
         await self._channel.close()
 
-    async def _unary(self, method: Any, request: Any) -> Any:
+    @staticmethod
+    async def _ready(channel: grpc.aio.Channel, wait_s: float) -> bool:
+        """Whether `channel` connected within `wait_s`."""
         try:
-            return await method(request, metadata=self._metadata, timeout=self._timeout_s)
-        except grpc.aio.AioRpcError as err:
-            raise _error(err, self.target) from None
+            async with asyncio.timeout(max(wait_s, 0.0)):
+                await channel.channel_ready()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _unary(self, name: str, request: Any) -> Any:
+        """One JobService call, bounded by `timeout_s`: waits (up to `ready_wait_s`) for a
+        reachable scheduler, and repeats a call that may be repeated on a new connection
+        when an attempt got no answer (a frozen replica behind a load balancer)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        repeatable = name in _IDEMPOTENT
+        while True:
+            channel = self._channel
+            left = deadline - loop.time()
+            if not await self._ready(channel, min(left, self._ready_wait_s)):
+                state = channel.get_state(try_to_connect=False)
+                if state is not grpc.ChannelConnectivity.TRANSIENT_FAILURE and (
+                    deadline - loop.time() > 0
+                ):
+                    # Connecting all along: a listener that never completes the handshake (a
+                    # frozen process). A new connection may reach another replica.
+                    self._reconnect(channel)
+                    continue
+                # Nothing listens, or the time is spent: the call below fails at once with
+                # the channel's own reason ("connection refused", ...).
+            left = deadline - loop.time()
+            attempt_s = min(left, self._attempt_timeout_s) if repeatable else left
+            method = getattr(pbgrpc.JobServiceStub(channel), name)
+            try:
+                return await method(request, metadata=self._metadata, timeout=max(attempt_s, 0.001))
+            except grpc.aio.AioRpcError as err:
+                answered = err.code() is not grpc.StatusCode.DEADLINE_EXCEEDED
+                if not repeatable or answered or deadline - loop.time() <= 0:
+                    raise _error(err, self.target) from None
+                self._reconnect(channel)
 
     async def submit(
         self,
@@ -233,9 +332,12 @@ class AsyncClient(AsyncLifecycle):
         **fields: Any,
     ) -> Job:
         request = pb.SubmitJobRequest(
-            spec=build_spec(spec, **fields), idempotency_key=idempotency_key
+            spec=build_spec(spec, **fields),
+            # Always one: a submit that got no answer is sent again (`_unary`), and the key
+            # makes the second one return the job the first one queued.
+            idempotency_key=idempotency_key or f"sdk-{uuid.uuid4().hex}",
         )
-        response: pb.SubmitJobResponse = await self._unary(self._stub.SubmitJob, request)
+        response: pb.SubmitJobResponse = await self._unary("SubmitJob", request)
         return job_from_proto(response.job)
 
     async def estimate(
@@ -243,7 +345,7 @@ class AsyncClient(AsyncLifecycle):
     ) -> pb.EstimateJobResponse:
         """Expected seconds and dollars of a job before submitting it (EstimateJob)."""
         request = pb.EstimateJobRequest(spec=build_spec(spec, **fields))
-        response: pb.EstimateJobResponse = await self._unary(self._stub.EstimateJob, request)
+        response: pb.EstimateJobResponse = await self._unary("EstimateJob", request)
         return response
 
     async def submit_batch(self, specs: Sequence[JobSpec | Mapping[str, Any]]) -> list[Job]:
@@ -251,18 +353,16 @@ class AsyncClient(AsyncLifecycle):
         request = pb.SubmitJobsRequest(
             jobs=[pb.SubmitJobRequest(spec=build_spec(s)) for s in specs]
         )
-        response: pb.SubmitJobsResponse = await self._unary(self._stub.SubmitJobs, request)
+        response: pb.SubmitJobsResponse = await self._unary("SubmitJobs", request)
         return [job_from_proto(j) for j in response.jobs]
 
     async def get(self, job_id: str) -> Job:
-        response: pb.GetJobResponse = await self._unary(
-            self._stub.GetJob, pb.GetJobRequest(job_id=job_id)
-        )
+        response: pb.GetJobResponse = await self._unary("GetJob", pb.GetJobRequest(job_id=job_id))
         return job_from_proto(response.job)
 
     async def cancel(self, job_id: str) -> Job:
         response: pb.CancelJobResponse = await self._unary(
-            self._stub.CancelJob, pb.CancelJobRequest(job_id=job_id)
+            "CancelJob", pb.CancelJobRequest(job_id=job_id)
         )
         return job_from_proto(response.job)
 
@@ -282,7 +382,7 @@ class AsyncClient(AsyncLifecycle):
                 page_size=page_size,
                 page_token=token,
             )
-            response: pb.ListJobsResponse = await self._unary(self._stub.ListJobs, request)
+            response: pb.ListJobsResponse = await self._unary("ListJobs", request)
             for job in response.jobs:
                 yield job_from_proto(job)
             token = response.next_page_token
@@ -295,36 +395,65 @@ class AsyncClient(AsyncLifecycle):
         after = 0
         while True:
             request = pb.ListJobEventsRequest(job_id=job_id, after_event_id=after, page_size=10_000)
-            response: pb.ListJobEventsResponse = await self._unary(
-                self._stub.ListJobEvents, request
-            )
+            response: pb.ListJobEventsResponse = await self._unary("ListJobEvents", request)
             out.extend(event_from_proto(e) for e in response.events)
             after = response.next_after_event_id
             if not after:
                 return out
 
     async def watch(
-        self, job_id: str, *, after_event_id: int = 0, reconnect_s: float = 300.0
+        self,
+        job_id: str,
+        *,
+        after_event_id: int = 0,
+        reconnect_s: float = 300.0,
+        on_waiting: Callable[[str], None] | None = None,
+        waiting_notice_s: float = 3.0,
     ) -> AsyncIterator[WatchUpdate]:
         """The job now, then every event until it is final.
 
         A stream that breaks before the job is final (the scheduler restarted, the network
-        dropped) is opened again after the last event seen, so no event is lost or repeated;
-        each reopening starts with the job as it is then. After `reconnect_s` seconds without
-        a stream that stays up, the last error is raised (`LorafleetError`, `retryable`)."""
+        dropped) or goes silent for `watch_silence_s` (a frozen replica) is opened again, on
+        a new connection, after the last event seen, so no event is lost or repeated; each
+        reopening starts with the job as it is then. Once no stream has stayed up for
+        `waiting_notice_s`, `on_waiting` is called (once per outage) with what the watch is
+        waiting for, and with "" once a stream answers again. After `reconnect_s` seconds
+        without a stream that stays up, the last error is raised (`LorafleetError`,
+        `retryable`)."""
         last_event_id = after_event_id
         delay_s = _RECONNECT_FIRST_DELAY_S
         unreachable_since: float | None = None
+        noticed = False
         loop = asyncio.get_running_loop()
         while True:
-            call = self._stub.WatchJob(
+            channel = self._channel
+            if (
+                not await self._ready(channel, min(self._ready_wait_s, waiting_notice_s))
+                and channel.get_state(try_to_connect=False)
+                is not grpc.ChannelConnectivity.TRANSIENT_FAILURE
+            ):
+                self._reconnect(channel)  # a handshake that never completes: a frozen replica
+                channel = self._channel
+            call = pbgrpc.JobServiceStub(channel).WatchJob(
                 pb.WatchJobRequest(job_id=job_id, after_event_id=last_event_id),
                 metadata=self._metadata,
             )
             opened_at = loop.time()
             progressed = final = False
+            silent = False
             try:
-                async for response in call:
+                while True:
+                    try:
+                        # The scheduler sends the job at least every 15 s (watch_keepalive_s):
+                        # a longer silence is a replica or a path that stopped answering.
+                        async with asyncio.timeout(self._watch_silence_s):
+                            response = await call.read()
+                    except TimeoutError:
+                        silent = True
+                        self._reconnect(channel)
+                        break
+                    if response is grpc.aio.EOF:
+                        break
                     update = WatchUpdate(
                         job=job_from_proto(response.job),
                         event=(
@@ -335,6 +464,9 @@ class AsyncClient(AsyncLifecycle):
                         last_event_id = update.event.event_id
                         progressed = True
                     final = update.job.state.terminal
+                    if noticed and on_waiting is not None:
+                        on_waiting("")  # answered again: the wait is over
+                    noticed = False
                     yield update
                 if final:
                     return
@@ -347,13 +479,33 @@ class AsyncClient(AsyncLifecycle):
             finally:
                 call.cancel()
             now = loop.time()
-            if progressed or now - opened_at >= _RECONNECT_MAX_DELAY_S:
+            if silent:
+                # Silent for watch_silence_s: an outage that began when it went quiet.
+                unreachable_since = unreachable_since or now - self._watch_silence_s
+                progressed = False
+            if progressed or (not silent and now - opened_at >= _RECONNECT_MAX_DELAY_S):
                 # The stream did work: this is a new outage, not more of the last one. (A
                 # scheduler that answers with the job and then fails at once does not count,
                 # so a flapping one still runs out the clock.)
                 unreachable_since, delay_s = now, _RECONNECT_FIRST_DELAY_S
             elif unreachable_since is None:
                 unreachable_since = now
+            if (
+                on_waiting is not None
+                and not noticed
+                and now - unreachable_since >= min(waiting_notice_s, reconnect_s)
+            ):
+                noticed = True
+                if silent:
+                    why = f"no answer for {self._watch_silence_s:g} s"
+                elif error is not None:
+                    why = (error.details() or error.code().name).splitlines()[0][:200]
+                else:
+                    why = "its stream keeps ending"
+                on_waiting(
+                    f"waiting for the scheduler at {self.target} to watch job {job_id} ({why});"
+                    f" trying again for up to {reconnect_s:g} s"
+                )
             if now - unreachable_since >= reconnect_s:
                 if error is not None:
                     raise _error(error, self.target) from None
@@ -398,9 +550,7 @@ class AsyncClient(AsyncLifecycle):
         if not files:
             raise InvalidArgument("images", "no files to upload")
         request = pb.CreateUploadUrlsRequest(prefix=prefix, file_names=[f.name for f in files])
-        response: pb.CreateUploadUrlsResponse = await self._unary(
-            self._stub.CreateUploadUrls, request
-        )
+        response: pb.CreateUploadUrlsResponse = await self._unary("CreateUploadUrls", request)
         async with aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self._timeout_s)
         ) as http:
@@ -420,13 +570,13 @@ class AsyncClient(AsyncLifecycle):
     async def webhook_deliveries(self, job_id: str) -> builtins.list[pb.WebhookDelivery]:
         """The job's webhook delivery log (attempts, last status and error, delivered/gave up)."""
         response: pb.ListWebhookDeliveriesResponse = await self._unary(
-            self._stub.ListWebhookDeliveries, pb.ListWebhookDeliveriesRequest(job_id=job_id)
+            "ListWebhookDeliveries", pb.ListWebhookDeliveriesRequest(job_id=job_id)
         )
         return list(response.deliveries)
 
     async def artifacts(self, job_id: str) -> Artifacts:
         response: pb.GetJobArtifactsResponse = await self._unary(
-            self._stub.GetJobArtifacts, pb.GetJobArtifactsRequest(job_id=job_id)
+            "GetJobArtifacts", pb.GetJobArtifactsRequest(job_id=job_id)
         )
         return Artifacts(
             result_url=response.result.url or None,
@@ -479,7 +629,7 @@ class AsyncClient(AsyncLifecycle):
         """Queues sample tasks for a finished job (its result or kept checkpoints); zero values
         take the job's validation settings. Returns the steps queued."""
         response: pb.RequestSamplesResponse = await self._unary(
-            self._stub.RequestSamples,
+            "RequestSamples",
             pb.RequestSamplesRequest(
                 job_id=job_id,
                 prompts=list(prompts),

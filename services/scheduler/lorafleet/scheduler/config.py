@@ -65,6 +65,13 @@ class SchedulerConfig(ServiceSettings):
     sweep_interval_s: float = Field(
         5.0, gt=0, le=600, description="how often each replica expires leases and prunes"
     )
+    watch_keepalive_s: float = Field(
+        15.0,
+        gt=0,
+        le=600,
+        description="how often a job watch with nothing new sends the job as it is, so a client"
+        " can tell a quiet job from a replica or a path gone silent",
+    )
     dispatch_interval_s: float = Field(
         5.0, gt=0, le=600, description="safety net under LISTEN/NOTIFY: re-offer work this often"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import builtins
 import json
@@ -107,8 +108,12 @@ class JobHandler:
         estimate_prior_s_per_step: float = PRIOR_S_PER_STEP,
         min_plausible_s_per_step: float = MIN_PLAUSIBLE_S_PER_STEP,
         fleet_max_vram_mb: int = 0,
+        watch_keepalive_s: float = 15.0,
     ) -> None:
         self._price_per_gpu_hour = price_per_gpu_hour
+        # A watch with nothing new says so this often (the job as it is): a client tells a
+        # quiet job from a replica or a path gone silent (AsyncClient watch_silence_s).
+        self._watch_keepalive_s = watch_keepalive_s
         self._fleet_max_vram_mb = fleet_max_vram_mb
         self._estimate_window_s = estimate_window_s
         self._estimate_min_machines = estimate_min_machines
@@ -397,7 +402,12 @@ class JobHandler:
                     continue
                 if job.state.terminal and not await self._ledger.samples_pending(job.job_id):
                     return
-                await changed.wait()
+                try:
+                    async with asyncio.timeout(self._watch_keepalive_s):
+                        await changed.wait()
+                except TimeoutError:
+                    job = await self.get(owner, job_id)
+                    yield job, None
         finally:
             self._notifications.unwatch_job(job.job_id, changed)
 
