@@ -15,6 +15,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from lorafleet.core.serde import spec_to_proto
 from lorafleet.core.settings import load
@@ -72,7 +73,7 @@ class StuckInModelLoad:
 
 @asynccontextmanager
 async def stuck_lease(
-    **settings: float,
+    **settings: Any,
 ) -> AsyncIterator[tuple[LeaseRunner, Link, StuckInModelLoad]]:
     spec = JobSpec(
         instance_prompt="a photo of sks dog", instance_data_prefix="dog", max_train_steps=5

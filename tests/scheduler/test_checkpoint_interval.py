@@ -230,6 +230,23 @@ async def test_an_explicit_interval_is_kept(fleet: Fleet) -> None:
     assert await notices(fleet, job.job_id) == []
 
 
+async def test_an_automatic_grant_carries_its_interval_in_seconds(fleet: Fleet) -> None:
+    """The grant says what the steps were computed from, sqrt(2 C M) seconds, so that the worker
+    can re-derive them at its own pace; a job's own fixed interval carries none."""
+    await fleet.alice.submit(checkpointing_steps=0, max_train_steps=100_000)
+    async with connect_worker(fleet.channel, fleet.token, "m1", gpu_model=GPU) as worker:
+        granted = await grant(worker, cost_s=2.0)
+    seconds = math.sqrt(2 * 2.0 * MTBI_PRIOR_S)
+    assert granted.checkpoint_interval_s == pytest.approx(seconds)
+    assert granted.checkpoint_min_steps == 10
+    assert granted.spec.checkpointing_steps == round(seconds / S_PER_STEP)
+
+    await fleet.alice.submit(checkpointing_steps=7)
+    async with connect_worker(fleet.channel, fleet.token, "m2", gpu_model=GPU) as worker:
+        fixed = await grant(worker, cost_s=2.0)
+    assert fixed.spec.checkpointing_steps == 7 and fixed.checkpoint_interval_s == 0
+
+
 @pytest.mark.parametrize("cost_s", [-1.0, math.inf, math.nan, 3601.0])
 async def test_a_bad_checkpoint_cost_is_refused_naming_the_field(
     fleet: Fleet, cost_s: float

@@ -1228,12 +1228,22 @@ class LeaseGranted(_message.Message):
     URLS_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     LEASE_SECRET_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_MIN_STEPS_FIELD_NUMBER: _builtins.int
     traceparent: _builtins.str
     """W3C traceparent of the job's submit span, so training spans join the job's trace."""
     lease_secret: _builtins.str
     """Proves this worker holds the lease when it reconnects (Hello.held_lease_secret). Given only
     here, stored only as a digest, never shown to users.
     """
+    checkpoint_interval_s: _builtins.float
+    """With checkpointing_steps auto: the Young-Daly interval in seconds that spec's step count
+    was computed from (at the fleet's pace on the job's shape, or the prior), and the fewest
+    steps an interval may have. The worker re-derives the step count from its own measured
+    pace once it has one: a node much slower or faster than the assumed pace still
+    checkpoints about every checkpoint_interval_s. 0: the job's own fixed interval.
+    """
+    checkpoint_min_steps: _builtins.int
     @_builtins.property
     def lease(self) -> Global___Lease: ...
     @_builtins.property
@@ -1250,10 +1260,12 @@ class LeaseGranted(_message.Message):
         urls: Global___JobUrls | None = ...,
         traceparent: _builtins.str = ...,
         lease_secret: _builtins.str = ...,
+        checkpoint_interval_s: _builtins.float = ...,
+        checkpoint_min_steps: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "spec", b"spec", "urls", b"urls"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "lease_secret", b"lease_secret", "spec", b"spec", "traceparent", b"traceparent", "urls", b"urls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_interval_s", b"checkpoint_interval_s", "checkpoint_min_steps", b"checkpoint_min_steps", "lease", b"lease", "lease_secret", b"lease_secret", "spec", b"spec", "traceparent", b"traceparent", "urls", b"urls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

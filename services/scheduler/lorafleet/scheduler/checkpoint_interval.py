@@ -90,6 +90,13 @@ class CheckpointInterval:
     interruptions: Interruptions
     seconds_per_step: float
     pace_measured: bool
+    min_steps: int
+
+    @property
+    def seconds(self) -> float:
+        """sqrt(2 C M): the interval in time, before it became steps at the assumed pace. The
+        grant carries it so that the worker can re-derive the steps from its own pace."""
+        return math.sqrt(2.0 * self.cost_s * self.mtbi_s)
 
     def describe(self, gpu_model: str) -> str:
         cost = "reported by the worker" if self.cost_measured else "prior"
@@ -164,4 +171,5 @@ class CheckpointIntervals:
             interruptions=observed,
             seconds_per_step=pace.seconds_per_step,
             pace_measured=pace.measured,
+            min_steps=s.min_steps,
         )

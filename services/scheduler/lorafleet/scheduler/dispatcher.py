@@ -62,7 +62,7 @@ from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler import metrics
 from lorafleet.scheduler.background import BackgroundTasks
-from lorafleet.scheduler.checkpoint_interval import CheckpointIntervals
+from lorafleet.scheduler.checkpoint_interval import CheckpointInterval, CheckpointIntervals
 from lorafleet.scheduler.notifications import LEASE_ENDED, WORK, Notifications
 from lorafleet.scheduler.sessions import (
     ActiveLease,
@@ -250,7 +250,7 @@ class Dispatcher:
                     await self._ledger.drain_lease(job.lease_id, job.epoch, "storage unavailable")
                     return False
                 try:
-                    worker_spec = await self._worker_spec(job, session)
+                    worker_spec, interval = await self._worker_spec(job, session)
                 except Exception:
                     log.exception("could not choose the checkpoint interval", job_id=job.job_id)
                     self._grant_abandoned(session, lease)
@@ -273,6 +273,8 @@ class Dispatcher:
                             urls=urls,
                             traceparent=lease.traceparent,
                             lease_secret=lease_secret,
+                            checkpoint_interval_s=interval.seconds if interval else 0.0,
+                            checkpoint_min_steps=interval.min_steps if interval else 0,
                         )
                     )
                 )
@@ -289,12 +291,15 @@ class Dispatcher:
         finally:
             session.claiming = False
 
-    async def _worker_spec(self, job: Job, session: WorkerSession) -> JobSpec:
+    async def _worker_spec(
+        self, job: Job, session: WorkerSession
+    ) -> tuple[JobSpec, CheckpointInterval | None]:
         """The spec the grant carries: the worker's view (`JobSpec.for_worker`), with an
-        automatic checkpoint interval chosen for this lease and put on the job's timeline."""
+        automatic checkpoint interval chosen for this lease and put on the job's timeline (and
+        the interval, which the grant carries in seconds too; None when the job fixes it)."""
         spec = job.spec.for_worker()
         if spec.checkpointing_steps != CHECKPOINTING_AUTO or self._intervals is None:
-            return spec
+            return spec, None
         assert job.lease_id is not None
         interval = await self._intervals.choose(
             spec,
@@ -304,7 +309,7 @@ class Dispatcher:
         await self._ledger.set_lease_interval(
             job.lease_id, job.epoch, interval.steps, interval.describe(session.machine.gpu_model)
         )
-        return dataclasses.replace(spec, checkpointing_steps=interval.steps)
+        return dataclasses.replace(spec, checkpointing_steps=interval.steps), interval
 
     def _grant_abandoned(self, session: WorkerSession, lease: ActiveLease) -> bool:
         """A grant being prepared for `session` will not be sent. True when the lease is still

@@ -43,6 +43,7 @@ from lorafleet.core.model import result_formats
 from lorafleet.core.serde import FAILURE_CLASSES, spec_from_proto
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.worker import metrics
+from lorafleet.worker.auto_interval import AutoInterval
 from lorafleet.worker.config import WorkerConfig
 from lorafleet.worker.lease import (
     LeaseLink,
@@ -186,6 +187,10 @@ class LeaseRunner:
         # What the run does before its first step (setup_watch.py).
         self._setup = SetupWatch()
         self._setup_stalled = False
+        # The run's checkpoint interval with checkpointing_steps auto (set when the run starts).
+        self._auto_interval = AutoInterval(
+            steps=0, interval_s=0.0, min_steps=1, max_steps=1, start_step=0
+        )
         self._inputs = LeaseInputs(
             transfer=transfer, config=config, notice=self._notice, log=self._log
         )
@@ -209,6 +214,11 @@ class LeaseRunner:
         """What this lease's latest checkpoint cost: the training thread's stall to snapshot it
         plus its upload; the next Ready reports it (checkpointing_steps auto)."""
         return self._uploads.checkpoint_cost_s
+
+    @property
+    def checkpoint_every(self) -> int:
+        """The interval in steps the run checkpoints at now (auto: follows this node's pace)."""
+        return self._auto_interval.current()
 
     @property
     def reused_class_images(self) -> list[int]:
@@ -409,13 +419,21 @@ class LeaseRunner:
         timings = getattr(trainer, "timings", None)
         self._uploads.snapshot_seconds = getattr(timings, "snapshot_seconds", [])
         self._run_timings = timings if isinstance(timings, RunTimings) else None
-        # `on_phase(name)`: the trainer names each setup phase as it enters it (and may name it
-        # again as a sign of progress within it). Passed where the trainer's hooks have it.
-        phase_hook = (
-            {"on_phase": self._on_phase}
-            if "on_phase" in {f.name for f in dataclasses.fields(TrainingHooks)}
-            else {}
+        start = resume.step if resume is not None else 0
+        self._auto_interval = AutoInterval(
+            steps=training_config.spec.checkpointing_steps,
+            interval_s=self.grant.checkpoint_interval_s,
+            min_steps=self.grant.checkpoint_min_steps,
+            max_steps=training_config.spec.max_train_steps,
+            start_step=start,
         )
+        # `on_phase(name)`: the trainer names each setup phase as it enters it (and may name it
+        # again as a sign of progress within it). `checkpoint_every()`: the interval in steps
+        # the run checkpoints at, read after each step (auto_interval.py). Each is passed where
+        # the trainer's hooks have it.
+        offered = {"on_phase": self._on_phase, "checkpoint_every": self._auto_interval.current}
+        known = {f.name for f in dataclasses.fields(TrainingHooks)}
+        phase_hook = {name: hook for name, hook in offered.items() if name in known}
         hooks = TrainingHooks(
             on_progress=self._on_progress,
             should_stop=self._should_stop,
@@ -424,7 +442,6 @@ class LeaseRunner:
             on_notice=self._on_notice,
             **phase_hook,
         )
-        start = resume.step if resume is not None else 0
         with tracer.start_as_current_span(
             "worker.train", attributes={"lorafleet.start_step": start}
         ):
@@ -521,6 +538,15 @@ class LeaseRunner:
 
     def _on_progress(self, step: int, loss: float, lr: float, seconds_per_step: float) -> None:
         self._setup.stepped()
+        assumed = self._auto_interval.pace_s
+        changed = self._auto_interval.observe(step, seconds_per_step)
+        if changed is not None:
+            self._to_loop(
+                self._send_notice,
+                f"checkpointing every {changed} steps from step {step} (auto): this node's own"
+                f" pace is {seconds_per_step:.3g} s/step, the grant's interval assumed"
+                f" {assumed:.3g} s/step",
+            )
         if seconds_per_step > 0 and math.isfinite(seconds_per_step):
             metrics.STEP_SECONDS.observe(seconds_per_step)
         self.progress.publish(
