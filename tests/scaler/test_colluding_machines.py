@@ -4,10 +4,14 @@ do decides their own fate, never another machine's, another job's or another ten
 
 * Machines that fail every attempt they are handed (broken, or hostile) are quarantined and
   moved, and spend no job's failure budget: node faults are not the job's fault.
+* Machines that commit tiny valid checkpoints fast (above the plausibility floor) set their
+  live peers' median, but a node is judged slow only past its GPU class's reference pace too
+  (pinned, or learned slowly from long-lived machines): the honest node keeps its lease.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -83,3 +87,85 @@ async def test_three_machines_failing_every_attempt_fail_no_job(world: World, sc
         "SELECT array_agg(machine_id) FROM leases WHERE end_reason = 'succeeded'"
     )
     assert not bad & set(succeeded_on)
+
+
+async def _set_paces(world: World, paces: dict[str, float]) -> None:
+    """Each machine's checkpoints under its leases committed `pace` seconds per step apart on
+    the ledger's clock (a test does not wait out real training)."""
+    for machine, pace in paces.items():
+        await world.watch.value(
+            "WITH lease_steps AS ("
+            "  SELECT c.job_id, c.epoch, min(c.step) AS first FROM checkpoints c"
+            "  JOIN leases l ON l.job_id = c.job_id AND l.epoch = c.epoch"
+            "  WHERE l.machine_id = $1 GROUP BY c.job_id, c.epoch)"
+            " UPDATE checkpoints c"
+            " SET committed_at = now() - interval '1 hour'"
+            "     + make_interval(secs => (c.step - s.first) * $2::float8)"
+            " FROM lease_steps s WHERE c.job_id = s.job_id AND c.epoch = s.epoch"
+            " RETURNING 1",
+            machine,
+            pace,
+        )
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["no-reference-yet", "pinned-reference"])
+async def test_colluding_fast_peers_get_no_honest_node_dropped(world: World, pinned: bool) -> None:
+    """Three verified machines of one holder commit valid checkpoints 500 steps apart at 0.067
+    s/step (just above the floor, 0.05); the honest node's own verified checkpoints are 20
+    steps apart at 1 s/step, 15 times their median. Before, it was dropped from its lease,
+    banned from its job and its instance reallocated on the next tick. Now live peers alone
+    convict nobody: with no reference for the class yet, no verdict; with the operator's pinned
+    reference (1 s per 1024x1024 image step) the honest node is within it."""
+    policy = PolicyConfig(
+        max_replicas=4,
+        slow_warmup_steps=10,
+        cooldown_s=300,
+        reference_paces={"NVIDIA H200": 1.0} if pinned else {},
+    )
+    scaler = world.scaler(policy)
+    await scaler.acquire()
+    go, peers_done = asyncio.Event(), asyncio.Event()
+
+    async def collude(sim: FleetSim, w: SimWorker, lease: Lease) -> None:
+        await go.wait()
+        await w.store_checkpoint(lease, 10)
+        await w.store_checkpoint(lease, 510)
+        w.settled.set()
+        await w.release.wait()
+
+    async def train(sim: FleetSim, w: SimWorker, lease: Lease) -> None:
+        await w.store_checkpoint(lease, 10)
+        await peers_done.wait()
+        await w.store_checkpoint(lease, 30)
+        w.settled.set()
+        await w.release.wait()
+
+    honest: list[str] = []
+    sim = world.sim(lambda m: train if m in honest else collude)
+    await world.submit(4, max_train_steps=20_000)
+    await scaler.tick()
+    world.advance(COLD_START_S)
+    honest.append(sorted(i.machine_id for i in world.double.instances.values())[0])
+    await sim.sync()
+    checkpoints = "SELECT count(*) FROM checkpoints"
+    await world.watch.until(lambda: _eq(world.watch.value(checkpoints), 1), "its first one")
+    go.set()
+    await world.watch.until(lambda: _eq(world.watch.value(checkpoints), 7), "the fast ones")
+    peers_done.set()
+    await world.watch.until(lambda: _eq(world.watch.value(checkpoints), 8), "its second one")
+    colluders = sorted(set(sim.workers) - set(honest))
+    await _set_paces(world, {**{m: 0.067 for m in colluders}, honest[0]: 1.0})
+    worker = sim.workers[honest[0]]
+    assert worker.lease is not None
+
+    outcomes = await scaler.tick()
+    assert not applied(outcomes, Action.DROP_LEASE), [o.decision.reason for o in outcomes]
+    assert not applied(outcomes, Action.REALLOCATE)
+    assert await world.watch.value(
+        "SELECT machine_id FROM jobs WHERE job_id = $1::uuid AND state = 'RUNNING'",
+        worker.lease.job_id,
+    ) == (worker.machine_id)
+    assert await world.watch.value("SELECT count(*) FROM bans") == 0
+    assert not [a for a in world.double.actions if a[0] == "reallocate"]
+    for w in sim.workers.values():
+        w.release.set()

@@ -140,6 +140,7 @@ async def test_a_slow_node_lying_fast_is_dropped_on_what_the_scheduler_observed(
         slow_min_excess=100.0,
         cooldown_s=300,
         min_plausible_seconds_per_step=1e-9,
+        reference_paces={"NVIDIA H200": 1e-9},  # the peers decide here
     )
     scaler = world.scaler(policy)
     await scaler.acquire()

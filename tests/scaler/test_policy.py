@@ -17,8 +17,10 @@ from lorafleet.scaler.policy import (
     PastAction,
     PolicyConfig,
     QueuedJob,
+    Reference,
     Snapshot,
     decide,
+    learn_references,
 )
 from lorafleet.scaler.provider import Instance, InstanceState
 
@@ -35,6 +37,9 @@ CFG = PolicyConfig(
     slow_stddevs=2.0,
     slow_min_peers=3,
     slow_min_excess=0.25,
+    # Pinned far below every pace here: these tests are about the peers' side of the verdict
+    # (test_a_reference_* below are about the reference's).
+    reference_paces={"rtx4090": 1e-9, "rtx3090": 1e-9},
     reallocate_share=0.1,
     reallocate_window_s=3600,
     reallocate_min_per_window=1,
@@ -604,6 +609,58 @@ def test_slow_decision_carries_its_figures() -> None:
     assert drop.figures["peer_observations"] == "m-p0=1 m-p1=1.1 m-p2=0.9"
     assert drop.figures["drops_in_window"] == 1 and drop.figures["drops_allowed"] == 1
     assert "12 s/step" in drop.reason and "re-queued" in drop.reason
+
+
+# -- the reference pace ----------------------------------------------------------------------
+
+UNPINNED = replace(CFG, reference_paces={})
+HOURS = 3600.0
+
+
+def test_a_reference_is_needed_besides_the_peers() -> None:
+    """Live peers alone convict nobody: with no reference for the class, a node 12x its
+    peers' median keeps its lease; past a learned reference too (1 s per image step, x 1.5),
+    it is dropped; within it (the peers colluding fast), it is not."""
+    assert decide(slow_snap(12.0), UNPINNED) == []
+    learned = {"rtx4090": Reference(seconds_per_step=1.0, updated_at=NOW)}
+    assert summary(decide(slow_snap(12.0, references=learned), UNPINNED))[:1] == [
+        ("drop", "m-slow", "j1")
+    ]
+    fast_peers = [
+        node(f"p{i}", observations=(seen(f"jp{i}", 0.067),)) for i in range(len(PEERS))
+    ]
+    assert decide(slow_snap(1.0, peers=fast_peers, references=learned), UNPINNED) == []
+    drop = decide(slow_snap(12.0, references=learned), UNPINNED)[0]
+    assert drop.figures["reference_source"] == "learned"
+    assert drop.figures["reference_s_per_image_step"] == 1.0
+
+
+def test_a_reference_is_learned_from_long_lived_machines_at_a_bounded_rate() -> None:
+    old = [node(f"o{i}", age_s=7 * HOURS, observations=(seen(f"jo{i}", 1.0),)) for i in range(3)]
+    young = [node(f"y{i}", age_s=HOURS, observations=(seen(f"jy{i}", 0.067),)) for i in range(5)]
+    instances = [inst(n.instance_id or "") for n in [*old, *young]]
+    # Only machines seen for six hours teach it; five young ones reporting 0.067 do not.
+    learned = learn_references(snap(instances=instances, nodes=[*old, *young]), UNPINNED)
+    assert learned["rtx4090"].seconds_per_step == pytest.approx(1.0)
+    assert learned["rtx4090"].machines == 3
+    # Three colluding machines kept for seven hours, against a reference of 1.0 set an hour
+    # ago: it moves by at most 1.25x per hour, not to their 0.067.
+    colluding = [
+        node(f"c{i}", age_s=7 * HOURS, observations=(seen(f"jc{i}", 0.067),)) for i in range(3)
+    ]
+    kept = {"rtx4090": Reference(seconds_per_step=1.0, updated_at=NOW - HOURS)}
+    moved = learn_references(
+        snap(
+            instances=[inst(n.instance_id or "") for n in colluding],
+            nodes=colluding,
+            references=kept,
+        ),
+        UNPINNED,
+    )
+    assert moved["rtx4090"].seconds_per_step == pytest.approx(1.0 / 1.25)
+    # Too few long-lived machines, or a pinned class: nothing learned.
+    assert learn_references(snap(instances=instances[:2], nodes=old[:2]), UNPINNED) == {}
+    assert learn_references(snap(instances=instances, nodes=[*old, *young]), CFG) == {}
 
 
 # -- no stranded job -------------------------------------------------------------------------

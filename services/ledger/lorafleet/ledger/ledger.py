@@ -280,6 +280,17 @@ class PaceRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PaceReference:
+    """The scaler's learned reference pace of a GPU class (seconds per 1024x1024 image step)
+    and when it last moved (epoch s, the scaler's clock)."""
+
+    gpu_class: str
+    seconds_per_step: float
+    machines: int
+    updated_at: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class ScalerWork:
     queued: int
     # Leases held by listed or provider-verified machines; `unplaced`: the others.
@@ -1235,6 +1246,23 @@ class Ledger:
             )
             for r in await self._fetch("pace_observations", window_s, limit)
         ]
+
+    async def pace_references(self) -> list[PaceReference]:
+        rows = await self._fetch("pace_references")
+        return [
+            PaceReference(
+                gpu_class=r["gpu_class"],
+                seconds_per_step=r["seconds_per_step"],
+                machines=r["machines"],
+                updated_at=r["updated_at"],
+            )
+            for r in rows
+        ]
+
+    async def set_pace_reference(
+        self, gpu_class: str, seconds_per_step: float, machines: int, at: float
+    ) -> None:
+        await self._fetch("set_pace_reference", gpu_class, seconds_per_step, machines, at)
 
     async def scaler_work(self, listed_machines: Sequence[str]) -> ScalerWork:
         """Work for the fleet; `listed_machines`: the machine ids of the provider's instances."""

@@ -143,6 +143,29 @@ class ScalerSettings(ServiceSettings):
         " image step (scaled by resolution and batch); faster ones (tiny checkpoints committed"
         " fast) are nobody's peer. Default: about five times an H100's SDXL LoRA step",
     )
+    reference_paces: dict[str, float] = Field(
+        default_factory=dict,
+        description='pinned reference paces per GPU class (JSON, e.g. {"NVIDIA GeForce RTX'
+        ' 4090": 0.8}), in seconds per 1024x1024 image step: a slow node must also be past its'
+        " class's reference; classes not pinned learn it from long-lived machines",
+    )
+    reference_min_age_s: float = Field(
+        6 * 3600.0,
+        ge=0,
+        description="a machine teaches its class's reference pace only once the ledger has seen"
+        " it for this long",
+    )
+    reference_rate_per_hour: float = Field(
+        1.25,
+        gt=1,
+        le=100,
+        description="a learned reference pace moves by at most this factor per hour",
+    )
+    slow_reference_excess: float = Field(
+        0.5,
+        ge=0,
+        description="a slow node must also be this share past its class's reference pace",
+    )
     reallocate_share: float = Field(
         0.1, ge=0, le=1, description="most reallocations per window, as a share of the fleet"
     )

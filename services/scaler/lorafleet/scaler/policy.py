@@ -37,7 +37,14 @@ and its reports must never move that machine's instance.
      `slow_min_peers` of them: a stream that made up a machine id, or a machine that left,
      moves nobody's statistic;
    * the judged node's own pace is the slower of its observation and what it reports of
-     itself (past the warm-up): a worker's claim can convict only that worker.
+     itself (past the warm-up): a worker's claim can convict only that worker;
+   * and it must also be past a **reference** that a group of machines cannot move quickly:
+     the GPU class's reference pace (seconds per 1024x1024 image step, scaled to the shape)
+     times 1 + `slow_reference_excess`. The operator may pin it per class
+     (`reference_paces`); else it is learned (`learn_references`, kept in the ledger) only
+     from verified machines seen for `reference_min_age_s` or longer, and moves by at most
+     `reference_rate_per_hour` per hour. A class with no reference yet drops no one: live peers
+     alone (three colluding machines committing valid checkpoints fast) convict nobody.
    Drops are rate-limited like reallocations (their own count, the same allowance per
    `reallocate_window_s`); each DROP_LEASE row carries the observations behind it.
 4. **Replicas follow the work**: queued + running jobs (running: leases held by machines on a
@@ -110,6 +117,13 @@ class PolicyConfig:
     # The fastest plausible pace, in seconds per 1024x1024 image step (scaled per shape): a
     # peer observation faster than that is a holder committing tiny checkpoints, not training.
     min_plausible_seconds_per_step: float = MIN_PLAUSIBLE_S_PER_STEP
+    # The reference a slow node must also exceed (see "Slow node"): pinned per GPU class, in
+    # seconds per 1024x1024 image step, else learned from machines seen this long, moving by at
+    # most this factor per hour.
+    reference_paces: Mapping[str, float] = field(default_factory=dict)
+    reference_min_age_s: float = 6 * 3600.0
+    reference_rate_per_hour: float = 1.25
+    slow_reference_excess: float = 0.5
     reallocate_share: float = 0.1
     reallocate_window_s: float = 3600.0
     reallocate_min_per_window: int = 1
@@ -171,6 +185,19 @@ class NodeView:
     # A provider vouched for the machine id (NodeRecord.identity_provider != ""): only then may
     # its facts move its instance, or count among another node's peers.
     verified: bool = False
+    # Seconds between the ledger's first and last sight of the machine: only long-lived
+    # machines teach the reference pace.
+    age_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reference:
+    """A GPU class's learned reference pace, seconds per 1024x1024 image step, as kept in the
+    ledger, and when it last moved (the scaler's clock)."""
+
+    seconds_per_step: float
+    updated_at: float
+    machines: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,6 +231,8 @@ class Snapshot:
     # When queued + running last became 0; None while there is work.
     idle_since: float | None = None
     recent_actions: tuple[PastAction, ...] = ()
+    # Learned reference paces per GPU class (the ledger's pace_references).
+    references: Mapping[str, Reference] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -457,6 +486,68 @@ def _peer_paces(fleet: _Fleet) -> dict[JobShape, dict[str, float]]:
     }
 
 
+def _shape_factor(shape: JobShape) -> float:
+    """A shape's seconds per step for one second per 1024x1024 image step."""
+    return shape_seconds_per_step(
+        1.0,
+        resolution=shape.resolution,
+        batch_size=shape.batch_size,
+        train_text_encoder=shape.train_text_encoder,
+    )
+
+
+def reference_pace(snapshot: Snapshot, config: PolicyConfig, gpu_class: str) -> tuple[float, str]:
+    """The GPU class's reference (seconds per 1024x1024 image step) and where it came from;
+    (0, "none") while it has none."""
+    pinned = config.reference_paces.get(gpu_class)
+    if pinned:
+        return pinned, "pinned"
+    learned = snapshot.references.get(gpu_class)
+    if learned is not None:
+        return learned.seconds_per_step, "learned"
+    return 0.0, "none"
+
+
+def learn_references(snapshot: Snapshot, config: PolicyConfig) -> dict[str, Reference]:
+    """The reference paces to keep, per GPU class not pinned: the median over long-lived
+    (seen for `reference_min_age_s`), verified, live machines of each one's median
+    observation (normalised to a 1024x1024 image step, past the warm-up, not below the
+    plausibility floor), at least `slow_min_peers` machines; moved from the kept one by at
+    most `reference_rate_per_hour` per hour since it last moved. Machines that arrived together
+    an hour ago teach it nothing, and a holder keeping machines for hours moves it slowly."""
+    c = config
+    per_class: dict[str, dict[str, list[float]]] = {}
+    live = {i.machine_id for i in snapshot.instances if i.state in LIVE_STATES and i.machine_id}
+    for node in snapshot.nodes:
+        if not node.verified or node.machine_id not in live or node.age_s < c.reference_min_age_s:
+            continue
+        for o in node.observations:
+            if o.observed_seconds_per_step is None or o.observed_steps < c.slow_warmup_steps:
+                continue
+            normalised = o.observed_seconds_per_step / _shape_factor(o.shape)
+            if normalised < c.min_plausible_seconds_per_step:
+                continue
+            per_class.setdefault(o.shape.gpu_class, {}).setdefault(node.machine_id, []).append(
+                normalised
+            )
+    out: dict[str, Reference] = {}
+    for gpu_class, machines in per_class.items():
+        if gpu_class in c.reference_paces or len(machines) < c.slow_min_peers:
+            continue
+        candidate = statistics.median(statistics.median(xs) for xs in machines.values())
+        kept = snapshot.references.get(gpu_class)
+        if kept is not None:
+            hours = max(snapshot.now - kept.updated_at, 0.0) / 3600.0
+            step = c.reference_rate_per_hour**hours
+            candidate = min(
+                max(candidate, kept.seconds_per_step / step), kept.seconds_per_step * step
+            )
+        out[gpu_class] = Reference(
+            seconds_per_step=candidate, updated_at=snapshot.now, machines=len(machines)
+        )
+    return out
+
+
 def _own_pace(
     node: NodeView, job_id: str, warmup: int
 ) -> tuple[PaceObservation, float, str] | None:
@@ -498,6 +589,17 @@ def _slow_nodes(fleet: _Fleet) -> list[Decision]:
         limit = max(median + c.slow_stddevs * spread, median * (1.0 + c.slow_min_excess))
         if pace <= limit:
             continue
+        # Never from live peers alone: past the class's reference too (pinned, or learned
+        # slowly from long-lived machines). None yet: no verdict.
+        reference, reference_source = reference_pace(s, c, observation.shape.gpu_class)
+        if reference <= 0:
+            continue
+        reference_limit = (
+            reference * _shape_factor(observation.shape) * (1.0 + c.slow_reference_excess)
+        )
+        if pace <= reference_limit:
+            continue
+        limit = max(limit, reference_limit)
         dropped = fleet.last(Action.DROP_LEASE, node.machine_id, job_id)
         if dropped is not None and s.now - dropped < c.cooldown_s:
             continue  # already asked; the ledger has not caught up yet
@@ -514,6 +616,8 @@ def _slow_nodes(fleet: _Fleet) -> list[Decision]:
             "peer_median_s": round(median, 4),
             "peer_spread_s": round(spread, 4),
             "limit_s": round(limit, 4),
+            "reference_s_per_image_step": round(reference, 4),
+            "reference_source": reference_source,
             "peer_machines": len(peers),
             "peer_observations": " ".join(f"{m}={x:.4g}" for m, x in shown)
             + (" ..." if len(peers) > len(shown) else ""),
@@ -521,7 +625,8 @@ def _slow_nodes(fleet: _Fleet) -> list[Decision]:
         reason = (
             f"node {node.machine_id} takes {pace:.3g} s/step ({source}) on job {job_id}, past"
             f" {limit:.3g} s (peers: median {median:.3g} s, spread {spread:.3g} s over"
-            f" {len(peers)} verified machines)"
+            f" {len(peers)} verified machines; {reference_source} reference {reference:.3g} s"
+            " per 1024x1024 image step)"
         )
         if fleet.drops_used >= fleet.drops_allowed:
             out.append(

@@ -1033,6 +1033,20 @@ LEFT JOIN LATERAL (
     LIMIT 1
 ) g ON r.end_reason = 'succeeded';
 
+-- name: pace_references
+-- The scaler's learned reference pace per GPU class (scaler/policy.py, learn_references).
+SELECT gpu_class, seconds_per_step, machines, extract(epoch FROM updated_at)::float8 AS updated_at
+FROM pace_references ORDER BY gpu_class LIMIT 1000;
+
+-- name: set_pace_reference
+-- $1 GPU class, $2 seconds per 1024x1024 image step, $3 machines it rests on, $4 when (epoch s,
+-- the scaler's clock: the rate bound counts hours on it).
+INSERT INTO pace_references (gpu_class, seconds_per_step, machines, updated_at)
+VALUES ($1, $2, $3, to_timestamp($4))
+ON CONFLICT (gpu_class) DO UPDATE
+SET seconds_per_step = excluded.seconds_per_step, machines = excluded.machines,
+    updated_at = excluded.updated_at;
+
 -- name: scaler_work
 -- Queued and running work (jobs and sample tasks: a job's validation images need a node too),
 -- and when the newest finished job finished (the idle grace starts then when nothing is queued
