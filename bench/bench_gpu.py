@@ -314,7 +314,7 @@ def matmul_tflops() -> float:
 
 @contextlib.contextmanager
 def unet_memory_format(bench: Bench, memory_format: torch.memory_format) -> Iterator[None]:
-    unet = bench.resident._held.components.unet  # type: ignore[union-attr]
+    unet = bench.resident._held.components.denoiser  # type: ignore[union-attr]
     unet.to(memory_format=memory_format)
     try:
         yield

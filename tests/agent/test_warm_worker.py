@@ -31,7 +31,7 @@ def resident_adapters(agent: Agent, job: pb.Job) -> list[object]:
     """The LoRA layers on the idle agent's resident UNet (resident for `job`)."""
     config = training_config_for(agent.config, spec_from_proto(job.spec))
     assert config.spec.resident_key == agent.resident.key
-    unet = agent.resident.components_for(config, resolve_runtime(config)).unet
+    unet = agent.resident.components_for(config, resolve_runtime(config)).denoiser
     return [m for m in unet.modules() if isinstance(m, BaseTunerLayer)]
 
 

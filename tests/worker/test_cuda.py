@@ -93,8 +93,8 @@ def test_frozen_weights_take_the_mixed_precision_dtype(
     spec = tiny_spec(max_train_steps=2, mixed_precision=precision, train_text_encoder=True)
     config = make_config(tiny_model_dir, spec)
     half = load_components(config, resolve_runtime(config))
-    assert half.unet.dtype == dtype
-    assert all(encoder.dtype == dtype for encoder in half.text_encoders)
+    assert half.denoiser.dtype == dtype
+    assert all(encoder.dtype == dtype for encoder in half.text_encoders.values())
     config = make_config(tiny_model_dir, spec, frozen_dtype="fp32")
     assert load_components(config, resolve_runtime(config)).unet.dtype == torch.float32
     outcome, _ = train(spec)

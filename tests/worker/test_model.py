@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from lorafleet.core.model import FailureClass
-from lorafleet.worker.training.base_model import encode_prompts, load_components, tokenize
+from lorafleet.worker.training.base_model import load_components
 from lorafleet.worker.training.config import resolve_runtime
 from lorafleet.worker.training.failures import TrainingFailure
 from lorafleet.worker.training.lora import add_lora, lora_parameters
@@ -27,28 +27,33 @@ def test_components_load_frozen_with_sdpa(tiny_model_dir: Path) -> None:
     assert type(components.noise_scheduler).__name__ == "DDPMScheduler"
     # The base model's own inference scheduler is kept for sampling.
     assert components.sampler_config["_class_name"] == "EulerDiscreteScheduler"
-    modules = [components.unet, components.vae, *components.text_encoders]
+    modules = [components.denoiser, components.vae, *components.text_encoders.values()]
     assert not any(p.requires_grad for m in modules for p in m.parameters())
-    assert {type(p).__name__ for p in components.unet.attn_processors.values()} == {
+    assert {type(p).__name__ for p in components.denoiser.attn_processors.values()} == {
         "AttnProcessor2_0"
     }
-    for encoder in components.text_encoders:
+    for encoder in components.text_encoders.values():
         assert encoder.config._attn_implementation == "sdpa"
 
-    ids = tokenize(components, ["a photo of sks dog", "a dog"])
-    embeds, pooled = encode_prompts(components.text_encoders, ids)
-    assert tuple(embeds.shape) == (2, 77, components.unet.config.cross_attention_dim)
-    assert tuple(pooled.shape) == (2, components.text_encoder_2.config.projection_dim)
+    family = components.family
+    ids = family.tokenize(components, ["a photo of sks dog", "a dog"], config.spec)
+    embeds, pooled = family.encode(components, ids)
+    assert tuple(embeds.shape) == (2, 77, components.denoiser.config.cross_attention_dim)
+    assert tuple(pooled.shape) == (
+        2,
+        components.text_encoders["text_encoder_2"].config.projection_dim,
+    )
 
     trained = add_lora(components, rank=4, alpha=4.0, train_text_encoder=True)
     assert list(trained) == ["unet", "text_encoder", "text_encoder_2"]
-    unet_names = [name for name, _ in lora_parameters(components.unet)]
+    unet_names = [name for name, _ in lora_parameters(components.denoiser)]
     assert unet_names
     assert all(".lora_A." in n or ".lora_B." in n for n in unet_names)
     targets = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in unet_names}
     assert targets == {"to_q", "to_k", "to_v", "0"}  # to_out.0
     te_targets = {
-        n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in lora_parameters(components.text_encoder)
+        n.split(".lora_")[0].rsplit(".", 1)[-1]
+        for n, _ in lora_parameters(components.text_encoders["text_encoder"])
     }
     assert te_targets == {"q_proj", "k_proj", "v_proj", "out_proj"}
     assert all(p.dtype == torch.float32 for m in trained.values() for _, p in lora_parameters(m))

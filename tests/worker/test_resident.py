@@ -16,8 +16,9 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 
 from lorafleet.core.spec import JobSpec
 from lorafleet.worker.training import Finished, StopReason, Trainer, TrainingHooks
-from lorafleet.worker.training.base_model import Components, load_components
+from lorafleet.worker.training.base_model import load_components
 from lorafleet.worker.training.config import resolve_runtime
+from lorafleet.worker.training.families import Components
 from lorafleet.worker.training.lora import add_lora, park_lora, parked_shapes
 from lorafleet.worker.training.resident import ResidentModel
 from tests.support.training import Recorder, instance_images, make_config, tiny_spec
@@ -28,8 +29,7 @@ pytestmark = pytest.mark.slow
 def base_digest(components: Components) -> str:
     """Every frozen tensor of the model, names (as loaded: without peft's wrapping) and bytes."""
     digest = hashlib.sha256()
-    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
-        module = getattr(components, name)
+    for name, module in {**components.modules, "vae": components.vae}.items():
         for key, tensor in sorted(module.state_dict().items()):
             if "lora_" in key:
                 continue
@@ -41,7 +41,7 @@ def base_digest(components: Components) -> str:
 def outputs(components: Components) -> list[torch.Tensor]:
     """What the UNet and the text encoders compute on fixed inputs."""
     inputs = torch.Generator().manual_seed(0)
-    unet = components.unet
+    unet = components.denoiser
     config = unet.config
     size = config.sample_size
     latents = torch.randn(1, config.in_channels, size, size, generator=inputs)
@@ -59,7 +59,7 @@ def outputs(components: Components) -> list[torch.Tensor]:
             ).sample
         ]
         tokens = torch.arange(1, 9).unsqueeze(0)
-        for encoder in components.text_encoders:
+        for encoder in components.text_encoders.values():
             out.append(encoder(tokens, output_hidden_states=True).hidden_states[-2])
     return out
 
@@ -79,7 +79,7 @@ def lora_of(
 def adapter_layers(components: Components) -> list[object]:
     return [
         m
-        for module in (components.unet, *components.text_encoders)
+        for module in (components.denoiser, *components.text_encoders.values())
         for m in module.modules()
         if isinstance(m, BaseTunerLayer)
     ]
@@ -141,7 +141,7 @@ def test_a_warm_run_trains_the_same_bits_and_leaves_the_base_model_as_loaded(
     # checkpointing, eval mode, the same base bytes.
     assert base_digest(loaded) == before
     assert all(torch.equal(a, b) for a, b in zip(outputs(loaded), computed, strict=True))
-    for module in (loaded.unet, *loaded.text_encoders):
+    for module in (loaded.denoiser, *loaded.text_encoders.values()):
         for layer in module.modules():
             if isinstance(layer, BaseTunerLayer):
                 assert layer.disable_adapters
@@ -150,8 +150,8 @@ def test_a_warm_run_trains_the_same_bits_and_leaves_the_base_model_as_loaded(
             if "lora_" in name:
                 assert not param.any(), name
         assert not module.training
-    assert not loaded.unet.is_gradient_checkpointing
-    assert not any(e.is_activation_checkpointing for e in loaded.text_encoders)
+    assert not loaded.denoiser.is_gradient_checkpointing
+    assert not any(e.is_activation_checkpointing for e in loaded.text_encoders.values())
 
 
 def test_another_base_model_or_precision_replaces_the_resident_set(tiny_model_dir: Path) -> None:
@@ -160,7 +160,7 @@ def test_another_base_model_or_precision_replaces_the_resident_set(tiny_model_di
     lora_of(tiny_model_dir, fp32, resident)
     assert resident.key == fp32.resident_key
     config = make_config(tiny_model_dir, fp32)
-    first = weakref.ref(resident.components_for(config, resolve_runtime(config)).unet)
+    first = weakref.ref(resident.components_for(config, resolve_runtime(config)).denoiser)
 
     bf16 = tiny_spec(max_train_steps=1, mixed_precision="bf16")
     lora_of(tiny_model_dir, bf16, resident)
@@ -201,7 +201,7 @@ def test_parked_adapters_get_what_a_fresh_injection_draws(
 
     def loaded() -> Components:
         components = load_components(config, runtime)
-        for module in (components.unet, *components.text_encoders):
+        for module in (components.denoiser, *components.text_encoders.values()):
             module.to(dtype)
         return components
 
@@ -216,7 +216,7 @@ def test_parked_adapters_get_what_a_fresh_injection_draws(
     warm = loaded()
     inject(warm, seed=3)
     # The earlier run trained: other weights, gradients left.
-    for module in (warm.unet, *warm.text_encoders):
+    for module in (warm.denoiser, *warm.text_encoders.values()):
         for param in module.parameters():
             if param.requires_grad:
                 param.grad = torch.ones_like(param)
@@ -236,7 +236,7 @@ def test_parked_adapters_get_what_a_fresh_injection_draws(
     assert all(torch.equal(reused[k], fresh[k]) for k in fresh)
     assert all(t.dtype == torch.float32 for t in reused.values())
     assert torch.equal(reused_rng, fresh_rng)
-    for module in (warm.unet, *warm.text_encoders):
+    for module in (warm.denoiser, *warm.text_encoders.values()):
         assert all(p.grad is None for p in module.parameters())
 
 

@@ -309,7 +309,7 @@ def test_compiled_model_trains_the_same_weights_and_resumes_exactly(
             def progress(step: int, *values: float) -> None:
                 on_progress(step, *values)
                 if step == 1 and not self.notices:
-                    unet = resident.components_for(config, runtime).unet
+                    unet = resident.components_for(config, runtime).denoiser
                     with torch.no_grad():
                         next(p for p in unet.parameters() if p.requires_grad).fill_(float("nan"))
 

@@ -1,10 +1,10 @@
-"""Loading the base model's components, and the prompt encoding SDXL needs.
+"""Loading a base model: which family it is, and the loaders every family shares.
 
 Every component comes through its real `from_pretrained` (a local diffusers directory, or a hub
-id downloaded into `cache_dir`): two CLIP tokenizers, `CLIPTextModel` and
-`CLIPTextModelWithProjection`, the `UNet2DConditionModel`, the `AutoencoderKL` (optionally a
-separate VAE such as an fp16-safe one), and a `DDPMScheduler` read from the base model's
-scheduler config. Attention runs through PyTorch SDPA in both the UNet and the text encoders.
+id downloaded into `cache_dir`), from safetensors only. The family is read from the model's own
+`model_index.json` (`_class_name`: its pipeline), never guessed from its name, and checked
+against the family the job was sized and keyed as (docs/DESIGN.md, "Model families"); the
+family module (families/) then loads its components, and they are frozen on the run's device.
 """
 
 from __future__ import annotations
@@ -12,16 +12,20 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import diffusers as _diffusers
 import torch
 import transformers as _transformers
 
+from lorafleet.core.families import PIPELINES, REFUSED_PIPELINES
+from lorafleet.core.spec import JobSpec
 from lorafleet.worker.training.config import Runtime, TrainingConfig
 from lorafleet.worker.training.failures import input_fault
+
+if TYPE_CHECKING:
+    from lorafleet.worker.training.families.base import Components, Family
 
 # diffusers' and transformers' loaders and constructors are untyped or typed for their own
 # generics; one Any-typed handle per package keeps the rest of this module strictly checked.
@@ -29,26 +33,7 @@ diffusers: Any = _diffusers
 transformers: Any = _transformers
 
 
-@dataclass(kw_only=True)
-class Components:
-    """The loaded model. Modules are mutable torch objects; the dataclass only groups them."""
-
-    tokenizer: Any
-    tokenizer_2: Any
-    text_encoder: Any
-    text_encoder_2: Any
-    vae: Any
-    unet: Any
-    noise_scheduler: Any
-    # The base model's own inference scheduler config, for class and validation images.
-    sampler_config: dict[str, Any]
-
-    @property
-    def text_encoders(self) -> tuple[Any, Any]:
-        return self.text_encoder, self.text_encoder_2
-
-
-def _load_kwargs(config: TrainingConfig) -> dict[str, Any]:
+def load_kwargs(config: TrainingConfig) -> dict[str, Any]:
     return {"cache_dir": config.cache_dir, "local_files_only": config.local_files_only}
 
 
@@ -56,10 +41,10 @@ T = TypeVar("T")
 
 # Weights load from safetensors only: a user names the base model, and a pickled checkpoint
 # (.bin, .ckpt) can run code when loaded (DESIGN.md, "Trust").
-_SAFE = {"use_safetensors": True}
+SAFE = {"use_safetensors": True}
 
 
-def _weights(load: Callable[[], T], field: str, ref: str, component: str) -> T:
+def weights(load: Callable[[], T], ref: str, component: str, field: str = "base_model") -> T:
     """`load()`, with a model that has no safetensors weights made the job's (input) fault."""
     try:
         return load()
@@ -75,11 +60,6 @@ def _weights(load: Callable[[], T], field: str, ref: str, component: str) -> T:
 # A Hugging Face hub id: `name` or `owner/name` (huggingface_hub's own rule, less its
 # "--" and ".." exclusions, which the hub then answers as a missing repository).
 _HUB_ID = re.compile(r"(?:[\w.\-]{1,96}/)?[\w.\-]{1,96}")
-
-
-# The folders of a diffusers model that hold weights, and the file each library indexes its
-# shards with.
-_COMPONENT_FOLDERS = ("text_encoder", "text_encoder_2", "unet", "vae")
 
 
 def check_model_ref(field: str, ref: str, *, marker: str = "model_index.json") -> None:
@@ -104,7 +84,8 @@ def check_model_ref(field: str, ref: str, *, marker: str = "model_index.json") -
             f"{field}: {ref!r} is not a model on this worker (a local model is a diffusers"
             " folder on the worker's disk; a hub model is named 'owner/name')"
         )
-    folders = [path] if marker != "model_index.json" else [path / c for c in _COMPONENT_FOLDERS]
+    # Every component folder of a pipeline (its weights and their shard index), whatever family.
+    folders = [path] if marker != "model_index.json" else [p for p in path.iterdir() if p.is_dir()]
     for folder in folders:
         _check_shard_index(field, ref, folder)
 
@@ -132,132 +113,113 @@ def _check_shard_index(field: str, ref: str, folder: Path) -> None:
                 )
 
 
-def load_components(config: TrainingConfig, runtime: Runtime) -> Components:
-    """Loads every component, frozen, on the run's device and in its dtypes."""
-    # The worker logs structured JSON; progress bars on stderr are noise there.
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
+def detect_family(config: TrainingConfig) -> Family:
+    """The family of the model the run loads, from its model_index.json; an input fault naming
+    base_model when it is not a pipeline lorafleet trains, or not the family the job names."""
+    from lorafleet.worker.training.families import FAMILY_OF
 
     ref = config.model_ref
     if config.model_path is None:  # the operator's own model path is checked at qualification
         check_model_ref("base_model", ref)
+    try:
+        index = diffusers.DiffusionPipeline.load_config(ref, **load_kwargs(config))
+    except Exception as exc:
+        raise_if_missing_repo(exc, "base_model", ref)
+        raise
+    pipeline = str(index.get("_class_name", ""))
+    if pipeline in REFUSED_PIPELINES:
+        raise input_fault(f"base_model: {ref!r} is a {pipeline}: {REFUSED_PIPELINES[pipeline]}")
+    family_name = PIPELINES.get(pipeline)
+    if family_name is None:
+        raise input_fault(
+            f"base_model: {ref!r} is a {pipeline or 'model without a pipeline class'}; lorafleet"
+            f" trains {', '.join(sorted(set(PIPELINES.values())))} models"
+            f" ({', '.join(sorted(PIPELINES))})"
+        )
+    expected = config.spec.family
+    if family_name != expected:
+        how = (
+            "the job names it"
+            if config.spec.model_family != "auto"
+            else "model_family auto takes a base model the fleet does not know for sdxl"
+        )
+        raise input_fault(
+            f"base_model: {ref!r} is a {family_name} model ({pipeline}) but the job was submitted"
+            f" as {expected} ({how}); submit it with model_family {family_name}"
+        )
+    return FAMILY_OF[family_name]
+
+
+def load_components(config: TrainingConfig, runtime: Runtime) -> Components:
+    """Loads every component of the model's family, frozen, on the run's device and in its
+    dtypes (a quantized denoiser in its quantization)."""
+    # The worker logs structured JSON; progress bars on stderr are noise there.
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
     if config.vae_path is None and config.spec.vae_model:
         check_model_ref("vae_model", config.spec.vae_model, marker="config.json")
-    common = _load_kwargs(config)
-    try:
-        tokenizer = transformers.CLIPTokenizer.from_pretrained(ref, subfolder="tokenizer", **common)
-    except Exception as exc:
-        _raise_if_missing_repo(exc, "base_model", ref)
-        raise
-    tokenizer_2 = transformers.CLIPTokenizer.from_pretrained(ref, subfolder="tokenizer_2", **common)
-    frozen = runtime.frozen_dtype
-    text_kwargs = {"dtype": frozen, "attn_implementation": "sdpa", **_SAFE, **common}
-    text_encoder = _weights(
-        lambda: transformers.CLIPTextModel.from_pretrained(
-            ref, subfolder="text_encoder", **text_kwargs
-        ),
-        "base_model",
-        ref,
-        "text_encoder",
-    )
-    text_encoder_2 = _weights(
-        lambda: transformers.CLIPTextModelWithProjection.from_pretrained(
-            ref, subfolder="text_encoder_2", **text_kwargs
-        ),
-        "base_model",
-        ref,
-        "text_encoder_2",
-    )
-    unet = _weights(
-        lambda: diffusers.UNet2DConditionModel.from_pretrained(
-            ref, subfolder="unet", torch_dtype=frozen, **_SAFE, **common
-        ),
-        "base_model",
-        ref,
-        "unet",
-    )
-    vae = _load_vae(config, frozen)
-    noise_scheduler = diffusers.DDPMScheduler.from_pretrained(ref, subfolder="scheduler", **common)
-    sampler_config = dict(diffusers.DDPMScheduler.load_config(ref, subfolder="scheduler", **common))
-    for module in (text_encoder, text_encoder_2, unet, vae):
+    family = detect_family(config)
+    components = family.load(config, runtime)
+    for module in (components.denoiser, components.vae, *components.text_encoders.values()):
         module.requires_grad_(False)
+        if getattr(module, "is_quantized", False):
+            continue  # placed on the device by its quantizer, which refuses .to()
         # Dtypes were set while loading (casting afterwards skips modules a model keeps fp32).
         module.to(runtime.device)
-    vae.eval()
-    return Components(
-        tokenizer=tokenizer,
-        tokenizer_2=tokenizer_2,
-        text_encoder=text_encoder,
-        text_encoder_2=text_encoder_2,
-        vae=vae,
-        unet=unet,
-        noise_scheduler=noise_scheduler,
-        sampler_config=sampler_config,
-    )
+    components.vae.eval()
+    family.check(config, components)
+    return components
 
 
-def _load_vae(config: TrainingConfig, frozen: torch.dtype) -> Any:
-    common = _load_kwargs(config)
+def load_vae(config: TrainingConfig, frozen: torch.dtype, vae_class: Any) -> Any:
+    """The base model's VAE (or the job's separate one), fp32 where its config says fp16
+    overflows (`force_upcast`, as SDXL's)."""
+    common = load_kwargs(config)
     ref, subfolder = (config.model_ref, "vae") if config.vae_ref is None else (config.vae_ref, None)
+    field = "base_model" if config.vae_ref is None else "vae_model"
     try:
-        vae_config = diffusers.AutoencoderKL.load_config(ref, subfolder=subfolder, **common)
+        vae_config = vae_class.load_config(ref, subfolder=subfolder, **common)
     except Exception as exc:
-        _raise_if_missing_repo(exc, "base_model" if config.vae_ref is None else "vae_model", ref)
+        raise_if_missing_repo(exc, field, ref)
         raise
-    # SDXL's VAE overflows in fp16 (its config says `force_upcast`), so it stays fp32 then.
     dtype = frozen
     if frozen == torch.float16 and vae_config.get("force_upcast", True):
         dtype = torch.float32
-    return _weights(
-        lambda: diffusers.AutoencoderKL.from_pretrained(
-            ref, subfolder=subfolder, torch_dtype=dtype, **_SAFE, **common
+    return weights(
+        lambda: vae_class.from_pretrained(
+            ref, subfolder=subfolder, torch_dtype=dtype, **SAFE, **common
         ),
-        "base_model" if config.vae_ref is None else "vae_model",
         ref,
         "vae",
+        field,
     )
 
 
-def _raise_if_missing_repo(exc: Exception, field: str, ref: str) -> None:
+def quantization_config(spec: JobSpec, runtime: Runtime) -> dict[str, Any]:
+    """`from_pretrained` arguments that load the frozen denoiser quantized: bitsandbytes NF4
+    with double quantization (the QLoRA recipe) or torchao float8 weights; none otherwise.
+    `resolve_runtime` has refused both on a CPU and where their library is missing."""
+    if spec.base_quantization == "nf4":
+        return {
+            "quantization_config": diffusers.BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=runtime.compute_dtype,
+            )
+        }
+    if spec.base_quantization == "fp8":
+        return {"quantization_config": diffusers.TorchAoConfig("float8_weight_only")}
+    return {}
+
+
+def raise_if_missing_repo(exc: Exception, field: str, ref: str) -> None:
     """A hub id that does not exist is the job's fault; network trouble is not."""
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
     for current in (exc, exc.__cause__, exc.__context__):
         if isinstance(current, (RepositoryNotFoundError, RevisionNotFoundError)):
             raise input_fault(f"{field}: no model {ref!r} on the Hugging Face hub") from exc
-
-
-def tokenize(components: Components, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids for both encoders, padded to each tokenizer's full length as SDXL was trained."""
-    ids = []
-    for tokenizer in (components.tokenizer, components.tokenizer_2):
-        ids.append(
-            tokenizer(
-                prompts,
-                padding="max_length",
-                max_length=tokenizer.model_max_length,
-                truncation=True,
-                return_tensors="pt",
-            ).input_ids
-        )
-    return ids[0], ids[1]
-
-
-def encode_prompts(
-    text_encoders: Sequence[Any], ids: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDXL conditioning from `Components.text_encoders`:
-    penultimate hidden states of both encoders side by side, and the second encoder's projected
-    pooled output. Grad flows when the encoders carry LoRA."""
-    hidden = []
-    pooled = None
-    for encoder, token_ids in zip(text_encoders, ids, strict=True):
-        out = encoder(token_ids.to(encoder.device), output_hidden_states=True)
-        hidden.append(out.hidden_states[-2])
-        # Only the second encoder (with projection) has `text_embeds`; it is SDXL's pooled input.
-        pooled = getattr(out, "text_embeds", None)
-    assert pooled is not None
-    return torch.cat(hidden, dim=-1), pooled
 
 
 def install_output_hooks(text_encoders: Sequence[Any]) -> None:
@@ -272,23 +234,3 @@ def install_output_hooks(text_encoders: Sequence[Any]) -> None:
         return
     for encoder in text_encoders:
         maybe_install_capturing_hooks(encoder)
-
-
-def sampling_pipeline(components: Components) -> Any:
-    """A StableDiffusionXLPipeline over the loaded modules (no copy, LoRA included when added)
-    with the base model's own inference scheduler."""
-    scheduler_class = getattr(diffusers, str(components.sampler_config.get("_class_name")), None)
-    if not (isinstance(scheduler_class, type) and hasattr(scheduler_class, "from_config")):
-        scheduler_class = diffusers.EulerDiscreteScheduler
-    pipeline = diffusers.StableDiffusionXLPipeline(
-        vae=components.vae,
-        text_encoder=components.text_encoder,
-        text_encoder_2=components.text_encoder_2,
-        tokenizer=components.tokenizer,
-        tokenizer_2=components.tokenizer_2,
-        unet=components.unet,
-        scheduler=scheduler_class.from_config(components.sampler_config),
-        add_watermarker=False,
-    )
-    pipeline.set_progress_bar_config(disable=True)
-    return pipeline

@@ -101,6 +101,13 @@ class Runtime:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype a quantized layer computes in: the mixed-precision dtype, else fp32."""
+        return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
+            self.mixed_precision
+        ]
+
 
 def resolve_runtime(config: TrainingConfig) -> Runtime:
     """Picks the device and dtypes; refuses, as input faults, options this machine cannot run."""
@@ -133,6 +140,27 @@ def resolve_runtime(config: TrainingConfig) -> Runtime:
             raise input_fault(
                 f"{field}: bitsandbytes is not installed on this worker;"
                 " use optimizer adamw or prodigy"
+            )
+    quantization = spec.base_quantization
+    if quantization != "none":
+        if not use_cuda:
+            raise input_fault(
+                f"base_quantization: {quantization} needs a CUDA GPU and this worker trains on"
+                " the CPU; use none"
+            )
+        library = {"nf4": "bitsandbytes", "fp8": "torchao"}[quantization]
+        if importlib.util.find_spec(library) is None:
+            # A dependency of the worker itself (the gpu extra): this installation is broken.
+            raise TrainingFailure(
+                FailureClass.NODE,
+                f"base_quantization: {quantization} needs the {library} package, missing here",
+            )
+        if quantization == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+            # Another node may hold it: the grant's mistake, not the job's nor this node's.
+            raise TrainingFailure(
+                FailureClass.INTERNAL,
+                "base_quantization: fp8 needs a GPU of compute capability 8.9 or newer (Ada,"
+                " Hopper); this node's is older",
             )
     if spec.optimizer == "prodigy" and importlib.util.find_spec("prodigyopt") is None:
         # A dependency of the worker itself: this installation is broken, not the job.

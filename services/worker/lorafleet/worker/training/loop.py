@@ -27,11 +27,7 @@ from opentelemetry import trace
 
 from lorafleet.core.model import FailureClass
 from lorafleet.core.spec import JobSpec
-from lorafleet.worker.training.base_model import (
-    encode_prompts,
-    install_output_hooks,
-    tokenize,
-)
+from lorafleet.worker.training.base_model import install_output_hooks
 from lorafleet.worker.training.checkpoint import (
     DeviceSnapshotter,
     HostTensors,
@@ -62,14 +58,6 @@ from lorafleet.worker.training.lora import (
     lora_parameters,
     lora_weights_bytes,
     skip_input_casts,
-)
-from lorafleet.worker.training.objective import (
-    draw_noise,
-    dreambooth_loss,
-    min_snr_weights,
-    prediction_target,
-    sample_latents,
-    snr_per_timestep,
 )
 from lorafleet.worker.training.resident import ResidentModel
 from lorafleet.worker.training.rng import TorchRngStream
@@ -357,11 +345,12 @@ class _Run:
                 dropout=spec.lora_dropout,
             )
             self.enable_training_mode()
+        self.family = self.components.family
         self.forward_loss: Callable[..., torch.Tensor] = (
             self._loss_from_token_ids if spec.train_text_encoder else self._forward_loss
         )
         self.eager_forward_loss = self.forward_loss
-        self.unet_forward = self.components.unet
+        self.denoiser_forward: Callable[..., Any] = self.components.denoiser
         with phase("compile_choice"):
             if self.should_compile(resume):
                 self.compile_step()
@@ -450,7 +439,7 @@ class _Run:
         if self.spec.train_text_encoder:
             # One graph from the prompt's token ids to the loss, so one backward graph through
             # the encoders and the UNet (-10% a step against compiling each model);
-            install_output_hooks(self.components.text_encoders)
+            install_output_hooks(list(self.components.text_encoders.values()))
             # dynamo checks its guards on the models' thousands of module attributes by one
             # dict-version tag per unchanged module, not one by one, every step (set while
             # compiling, when the guards are built; not process-wide).
@@ -462,10 +451,10 @@ class _Run:
             )
             self.forward_loss = functools.partial(step, self)
         else:
-            # with the embeddings cached, the UNet alone (the whole loss as one graph was
-            # 15% slower a step).
-            self.unet_forward = self.resident.compiled(
-                shape, lambda: torch.compile(self.components.unet)
+            # with the embeddings cached, the denoiser alone (for SDXL the whole loss as one
+            # graph was 15% slower a step).
+            self.denoiser_forward = self.resident.compiled(
+                shape, lambda: torch.compile(self.components.denoiser)
             )
 
     def fall_back_to_eager(self, failure: TrainingFailure) -> None:
@@ -475,7 +464,7 @@ class _Run:
         assert self.last_good is not None
         self.resident.forget_compiled(self.spec.compiled_shape_key)
         self.forward_loss = self.eager_forward_loss
-        self.unet_forward = self.components.unet
+        self.denoiser_forward = self.components.denoiser
         self.compiled = False
         self.fell_back_to_eager = True
         self.restore(self.last_good)
@@ -561,22 +550,28 @@ class _Run:
             # dtype, so it keeps the cast); park_lora turns the cast on again.
             skip_input_casts(self.trained.values())
         if self.spec.gradient_checkpointing:
-            components.unet.enable_gradient_checkpointing()
-            for name in ("text_encoder", "text_encoder_2"):
+            components.denoiser.enable_gradient_checkpointing()
+            for name in components.text_encoders:
                 if name in self.trained:
                     _enable_activation_checkpointing(self.trained[name])
 
     def precompute_conditioning(self) -> None:
-        """Frozen encoders: embed every distinct prompt once. Trained encoders: tokenize once."""
-        ids = tokenize(self.components, self.data.prompts)
+        """Frozen encoders: embed every distinct prompt once (then a family whose encoders are
+        large sends them to host memory until the next run needs them). Trained encoders:
+        tokenize once."""
+        components = self.components
+        ids = self.family.tokenize(components, self.data.prompts, self.spec)
         device = self.runtime.device
-        self.token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.token_ids: tuple[torch.Tensor, ...] | None = None
+        self.prompt_embeds: tuple[torch.Tensor, ...] | None = None
         if self.spec.train_text_encoder:
-            self.token_ids = (ids[0].to(device), ids[1].to(device))
+            self.token_ids = tuple(t.to(device) for t in ids)
             return
         with torch.no_grad():
-            self.prompt_embeds = encode_prompts(self.components.text_encoders, ids)
+            self.prompt_embeds = self.family.encode(components, ids)
+        if self.runtime.is_cuda and not self.family.encoders_stay_on_device:
+            for encoder in components.text_encoders.values():
+                encoder.to("cpu")
 
     def precompute_latents(self) -> None:
         """Encode every image once when each has a single possible crop and no flip."""
@@ -607,12 +602,17 @@ class _Run:
         for name, module in self.trained.items():
             params = [p for _, p in lora_parameters(module)]
             self.params.extend(params)
-            lr = learning_rate if name == "unet" else spec.text_encoder_learning_rate
+            lr = (
+                learning_rate
+                if name == self.family.denoiser_name
+                else spec.text_encoder_learning_rate
+            )
             if spec.optimizer == "prodigy":
                 # Prodigy learns one step size for all groups and refuses differing rates; as in
                 # diffusers' script, the text encoders train at learning_rate then.
                 lr = learning_rate
-            if name == "text_encoder_2":
+            if len(groups) == 2:
+                # Every text encoder trains in one group (the second joins the first's).
                 groups[-1]["params"].extend(params)
             else:
                 groups.append({"params": params, "lr": lr})
@@ -656,10 +656,6 @@ class _Run:
         device = runtime.device
         self.data_generator = torch.Generator("cpu").manual_seed(spec.seed)
         self.noise_generator = torch.Generator(device).manual_seed(spec.seed + 1)
-        scheduler_config = self.components.noise_scheduler.config
-        self.num_train_timesteps = int(scheduler_config.num_train_timesteps)
-        self.prediction_type = str(scheduler_config.prediction_type)
-        self.snr = snr_per_timestep(self.components.noise_scheduler.alphas_cumprod.to(device))
 
     # Training ---------------------------------------------------------------------------------
 
@@ -730,11 +726,11 @@ class _Run:
         self.check_finite(nonfinite)
         kohya = None
         if self.spec.output_format in ("kohya", "both"):
-            kohya = kohya_weights_bytes(self.trained)
+            kohya = kohya_weights_bytes(self.family, self.trained)
         return Finished(
             step=self.step,
             loss=self.last_loss,
-            lora_weights=lora_weights_bytes(self.trained),
+            lora_weights=lora_weights_bytes(self.family, self.trained),
             kohya_weights=kohya,
         )
 
@@ -775,16 +771,8 @@ class _Run:
         """Forward and backward of one micro-batch; gradients add up until apply_gradients.
         Returns the micro-batch's loss, detached."""
         latents = self.latents(examples)
-        noise, timesteps = draw_noise(
-            latents,
-            self.noise_generator,
-            noise_offset=self.spec.noise_offset,
-            num_train_timesteps=self.num_train_timesteps,
-        )
-        time_ids = self.to_device(self.data.time_ids(examples))
-        loss = self.forward_loss(
-            latents, noise, timesteps, time_ids, *self.conditioning_inputs(examples)
-        )
+        draws = self.family.draw(latents, self.noise_generator, examples, self)
+        loss = self.forward_loss(latents, draws, *self.conditioning_inputs(examples))
         # The accumulated gradient is that of the mean loss over the micro-batches.
         scaled = loss / self.spec.gradient_accumulation_steps
         if self.scaler is not None:
@@ -795,38 +783,30 @@ class _Run:
     def _loss_from_token_ids(
         self,
         latents: torch.Tensor,
-        noise: torch.Tensor,
-        timesteps: torch.Tensor,
-        time_ids: torch.Tensor,
-        token_ids: tuple[torch.Tensor, torch.Tensor],
+        draws: tuple[torch.Tensor, ...],
+        token_ids: tuple[torch.Tensor, ...],
         rows: torch.Tensor,
     ) -> torch.Tensor:
         with self.autocast():
-            embeddings = encode_prompts(self.components.text_encoders, token_ids)
-        return self._forward_loss(latents, noise, timesteps, time_ids, embeddings, rows)
+            embeddings = self.family.encode(self.components, token_ids)
+        return self._forward_loss(latents, draws, embeddings, rows)
 
     def _forward_loss(
         self,
         latents: torch.Tensor,
-        noise: torch.Tensor,
-        timesteps: torch.Tensor,
-        time_ids: torch.Tensor,
-        conditioning: tuple[torch.Tensor, torch.Tensor],
+        draws: tuple[torch.Tensor, ...],
+        conditioning: tuple[torch.Tensor, ...],
         rows: torch.Tensor,
     ) -> torch.Tensor:
         """The micro-batch's loss from its draws and prompt embeddings (with `compile_model`
         and trained encoders, compiled as one graph with the prompt encoding before it)."""
-        noisy = self.components.noise_scheduler.add_noise(latents, noise, timesteps)
-        with self.autocast():
-            prompt_embeds, pooled = (c.index_select(0, rows) for c in conditioning)
-            prediction = self.unet_forward(
-                noisy,
-                timesteps,
-                prompt_embeds,
-                added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
-                return_dict=False,
-            )[0]
-        return self.loss(prediction, latents, noise, timesteps)
+        return self.family.loss(
+            self, latents, draws, tuple(c.index_select(0, rows) for c in conditioning)
+        )
+
+    @property
+    def num_class(self) -> int:
+        return self.data.num_class
 
     def apply_gradients(self) -> None:
         """Clip, step the optimizer and the LR schedule, clear the gradients."""
@@ -865,11 +845,11 @@ class _Run:
             moments = torch.cat([self.latent_list[s.image] for s in examples])
         else:
             moments = self.encode_moments(examples)
-        return sample_latents(moments, self.noise_generator, self.components.vae.config)
+        return self.family.latents(moments, self.noise_generator, self.components)
 
     def conditioning_inputs(
         self, examples: list[Example]
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """What `_forward_loss` conditions on, and the row of it for each example: the cached
         (prompt embeddings, pooled embeddings) with frozen encoders; with trained ones the token
         ids of each distinct prompt of the batch, encoded once (picked on the host: no sync)."""
@@ -879,7 +859,7 @@ class _Run:
         assert self.token_ids is not None
         distinct = sorted(set(rows))
         picked = self.indices(distinct)
-        ids = (self.token_ids[0][picked], self.token_ids[1][picked])
+        ids = tuple(t[picked] for t in self.token_ids)
         return ids, self.indices([distinct.index(r) for r in rows])
 
     def indices(self, values: list[int]) -> torch.Tensor:
@@ -892,30 +872,6 @@ class _Run:
         if self.runtime.device.type == "cpu":
             return tensor
         return tensor.pin_memory().to(self.runtime.device, non_blocking=True)
-
-    def loss(
-        self,
-        prediction: torch.Tensor,
-        latents: torch.Tensor,
-        noise: torch.Tensor,
-        timesteps: torch.Tensor,
-    ) -> torch.Tensor:
-        target = prediction_target(
-            self.prediction_type, self.components.noise_scheduler, latents, noise, timesteps
-        )
-        weights = None
-        if self.spec.snr_gamma > 0:
-            count = len(timesteps) // 2 if self.data.num_class else len(timesteps)
-            weights = min_snr_weights(
-                self.snr[timesteps[:count]], self.spec.snr_gamma, self.prediction_type
-            )
-        return dreambooth_loss(
-            prediction,
-            target,
-            with_prior=self.data.num_class > 0,
-            prior_loss_weight=self.spec.prior_loss_weight,
-            snr_weights=weights,
-        )
 
     # Checkpoints --------------------------------------------------------------------------------
 

@@ -1,10 +1,12 @@
-"""LoRA adapters (peft) on the UNet and optionally both text encoders, and the result file.
+"""LoRA adapters (peft) on the family's denoiser and optionally its trainable text encoders,
+and the result files.
 
-The result is `pytorch_lora_weights.safetensors` exactly as
-`StableDiffusionXLPipeline.save_lora_weights` writes it: diffusers-format keys prefixed
-`unet.`, `text_encoder.`, `text_encoder_2.`, fp32 tensors, and the adapters' LoRA configs in
-the `lora_adapter_metadata` header entry, so `load_lora_weights` restores `lora_alpha` (the
-scale) and not only the rank. It is built in memory: the diffusers helper writes to a directory.
+The result is `pytorch_lora_weights.safetensors` as the family's pipeline `save_lora_weights`
+writes it (keys prefixed by pipeline name: `unet.`/`transformer.`, `text_encoder.`, ...; the
+key style is the family's), fp32 tensors, and the adapters' LoRA configs in the
+`lora_adapter_metadata` header entry, so `load_lora_weights` restores `lora_alpha` (the scale)
+and not only the rank. The kohya file takes the family's ComfyUI layout. Both are built in
+memory: the diffusers helpers write to a directory.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from peft.tuners.lora.layer import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 
-from lorafleet.worker.training.base_model import Components
+from lorafleet.worker.training.families.base import Components, Family
 from lorafleet.worker.training.serialization import safetensors_bytes
 
 # Untyped in diffusers; peft types lora_alpha as int though it is a float scale numerator.
@@ -35,8 +37,6 @@ recurse_remove_peft_layers: Any = _peft_utils.recurse_remove_peft_layers
 DoraLinearLayer: Any = _DoraLinearLayer
 LoraConfig: Any = _LoraConfig
 
-UNET_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
-TEXT_ENCODER_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj")
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 KOHYA_WEIGHT_NAME = "pytorch_lora_weights_kohya.safetensors"
 # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
@@ -60,7 +60,8 @@ def add_lora(
     use_dora: bool = False,
     dropout: float = 0.0,
 ) -> dict[str, Any]:
-    """Adds adapters and returns the trained modules by their pipeline name, UNet first.
+    """Adds adapters and returns the trained modules by their pipeline name, denoiser first
+    (the family's targets; text encoders only those the family lets train).
 
     LoRA parameters are kept in fp32 whatever the frozen weights' dtype, so small updates are
     not rounded away; the base weights stay frozen. `use_dora` makes them DoRA adapters (a
@@ -77,14 +78,14 @@ def add_lora(
     shape asked for, else fresh adapters are injected. Either way the run starts from what it
     would on a freshly loaded model.
     """
-    targets = {"unet": UNET_TARGET_MODULES}
+    family = components.family
+    modules = components.modules
+    targets = {family.denoiser_name: family.denoiser_targets(components.denoiser)}
     if train_text_encoder:
-        targets |= {"text_encoder": TEXT_ENCODER_TARGET_MODULES}
-        targets |= {"text_encoder_2": TEXT_ENCODER_TARGET_MODULES}
+        targets |= {name: family.encoder_targets(name) for name in family.trainable_encoders}
     trained: dict[str, Any] = {}
-    # The order of a fresh injection: the UNet, then the encoders.
-    for name in ("unet", "text_encoder", "text_encoder_2"):
-        module = getattr(components, name)
+    # The order of a fresh injection: the denoiser, then the encoders.
+    for name, module in modules.items():
         shape = (rank, alpha, targets[name], use_dora, dropout) if name in targets else None
         if (
             shape is not None
@@ -120,7 +121,7 @@ def park_lora(components: Components) -> None:
     nothing of the run's weights is kept and the modules compute exactly what the base model
     computes (a disabled peft layer calls its base layer alone), until the next run of the
     same shape re-initialises them (`add_lora`) or one of another shape takes them off."""
-    for module in (components.unet, components.text_encoder, components.text_encoder_2):
+    for module in components.modules.values():
         for layer in _lora_layers(module):
             with torch.no_grad():
                 for param in _adapter_parameters(layer):
@@ -138,9 +139,9 @@ def park_lora(components: Components) -> None:
 
 def parked_shapes(components: Components) -> list[tuple[int, float, bool, bool, float]]:
     """What the next run can take warm (`add_lora` re-initialises or puts back instead of
-    injecting): each adapter shape the UNet holds parked, attached or kept aside, as (rank,
-    alpha, train_text_encoder, use_dora, dropout); with text-encoder training too where both
-    encoders hold that shape. Call it after `park_lora`, on the thread that runs training."""
+    injecting): each adapter shape the denoiser holds parked, attached or kept aside, as (rank,
+    alpha, train_text_encoder, use_dora, dropout); with text-encoder training too where every
+    trainable encoder holds that shape. Call it after `park_lora`, on the training thread."""
 
     def held(module: Any) -> list[tuple[Any, ...]]:
         shapes = []
@@ -152,12 +153,16 @@ def parked_shapes(components: Components) -> list[tuple[int, float, bool, bool, 
             shapes.append(shelved.shape)
         return shapes
 
-    encoders = [held(components.text_encoder), held(components.text_encoder_2)]
+    family = components.family
+    names = family.trainable_encoders
+    encoders = {name: held(components.text_encoders[name]) for name in names}
     warm: list[tuple[int, float, bool, bool, float]] = []
-    for rank, alpha, _, use_dora, dropout in held(components.unet):
+    for rank, alpha, _, use_dora, dropout in held(components.denoiser):
         warm.append((rank, alpha, False, use_dora, dropout))
-        encoder_shape = (rank, alpha, TEXT_ENCODER_TARGET_MODULES, use_dora, dropout)
-        if all(encoder_shape in shapes for shapes in encoders):
+        if names and all(
+            (rank, alpha, family.encoder_targets(name), use_dora, dropout) in encoders[name]
+            for name in names
+        ):
             warm.append((rank, alpha, True, use_dora, dropout))
     return warm
 
@@ -313,19 +318,27 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def lora_state_dict(trained: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Diffusers-format LoRA tensors of every trained module, with their pipeline prefix, fp32."""
-    out: dict[str, torch.Tensor] = {}
-    for prefix, module in trained.items():
+def _peft_states(trained: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """Each trained module's peft LoRA tensors (fp32, on the host), by pipeline name."""
+    return {
         # save_embedding_layers=False: no embedding is trained, and the "auto" check tries to
         # read the base model's config from disk (and warns) for text encoders.
-        peft_state = get_peft_model_state_dict(module, save_embedding_layers=False)
-        for key, tensor in convert_state_dict_to_diffusers(peft_state).items():
-            out[f"{prefix}.{key}"] = tensor.detach().to("cpu", torch.float32).contiguous()
-    return out
+        name: {
+            key: tensor.detach().to("cpu", torch.float32).contiguous()
+            for key, tensor in get_peft_model_state_dict(
+                module, save_embedding_layers=False
+            ).items()
+        }
+        for name, module in trained.items()
+    }
 
 
-def lora_weights_bytes(trained: Mapping[str, Any]) -> bytes:
+def lora_state_dict(family: Family, trained: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The result file's tensors: the family's diffusers layout of every trained module."""
+    return family.diffusers_state_dict(_peft_states(trained))
+
+
+def lora_weights_bytes(family: Family, trained: Mapping[str, Any]) -> bytes:
     """The finished LoRA as `pytorch_lora_weights.safetensors` bytes."""
     adapter_metadata: dict[str, Any] = {}
     for prefix, module in trained.items():
@@ -338,42 +351,22 @@ def lora_weights_bytes(trained: Mapping[str, Any]) -> bytes:
         "format": "pt",
         _ADAPTER_METADATA_KEY: json.dumps(adapter_metadata, indent=2, sort_keys=True),
     }
-    return safetensors_bytes(lora_state_dict(trained), metadata)
+    return safetensors_bytes(lora_state_dict(family, trained), metadata)
 
 
-_KOHYA_PREFIXES = (
-    ("lora_unet", "unet"),
-    ("lora_te1", "text_encoder"),
-    ("lora_te2", "text_encoder_2"),
-)
-
-
-def kohya_state_dict(trained: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The LoRA in kohya sd-scripts' key format (`lora_unet_...`, `lora_te1_...`,
-    `lora_te2_...`; `lora_down`/`lora_up` weights and an `.alpha` per layer), as diffusers'
-    training scripts write it with `--output_kohya_format` and as ComfyUI, A1111 and diffusers'
-    own kohya loader read it. Each `.alpha` is the adapter's `lora_alpha` (diffusers' converter
-    writes the rank there, which would change the scale whenever alpha differs from it)."""
-    peft_state: dict[str, torch.Tensor] = {}
+def kohya_state_dict(family: Family, trained: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The LoRA in the family's kohya layout (what ComfyUI, A1111 and diffusers' kohya
+    loaders read), with each layer's `.alpha` the adapter's lora_alpha."""
     alphas: dict[str, float] = {}
-    for prefix, module in trained.items():
+    for name, module in trained.items():
         config = module.peft_config["default"]
         if config.use_dora:
             # kohya's dora_scale layout differs from peft's magnitude vector; refused at submit.
             raise ValueError("the kohya format holds no DoRA adapters")
-        for key, tensor in get_peft_model_state_dict(module, save_embedding_layers=False).items():
-            peft_state[f"{prefix}.{key}"] = tensor
-        alphas[prefix] = float(config.lora_alpha)
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in convert_state_dict_to_kohya(peft_state).items():
-        if key.endswith(".alpha"):
-            module = next(m for p, m in _KOHYA_PREFIXES if key.startswith(p + "_"))
-            out[key] = torch.tensor(alphas[module], dtype=torch.float32)
-        else:
-            out[key] = tensor.detach().to("cpu", torch.float32).contiguous()
-    return out
+        alphas[name] = float(config.lora_alpha)
+    return family.kohya_state_dict(_peft_states(trained), alphas)
 
 
-def kohya_weights_bytes(trained: Mapping[str, Any]) -> bytes:
+def kohya_weights_bytes(family: Family, trained: Mapping[str, Any]) -> bytes:
     """The finished LoRA as `pytorch_lora_weights_kohya.safetensors` bytes."""
-    return safetensors_bytes(kohya_state_dict(trained), {"format": "pt"})
+    return safetensors_bytes(kohya_state_dict(family, trained), {"format": "pt"})

@@ -1,9 +1,9 @@
 """The base model a worker keeps loaded between runs, and the compiled steps made for it.
 
-Loading SDXL's frozen components takes seconds to minutes a lease, and compiling the step
+Loading a base model's frozen components takes seconds to minutes a lease, and compiling the step
 minutes more; a worker pays both once and keeps them (`ResidentModel`, one per worker, used
 on its training thread by training runs and sample tasks alike). What it keeps is only what no
-job changes: the frozen UNet, VAE, text encoders and tokenizers of one base model in one
+job changes: the frozen denoiser, VAE, text encoders and tokenizers of one base model in one
 precision (`JobSpec.resident_key`), and the compiled step of each shape it ran compiled
 (`JobSpec.compiled_shape_key`). Everything of a job lives on its run and goes with it:
 
@@ -36,8 +36,9 @@ import diffusers as _diffusers
 import torch
 
 from lorafleet.core.spec import adapter_shape_key
-from lorafleet.worker.training.base_model import Components, load_components
+from lorafleet.worker.training.base_model import load_components
 from lorafleet.worker.training.config import Runtime, TrainingConfig
+from lorafleet.worker.training.families.base import Components
 from lorafleet.worker.training.lora import park_lora, parked_shapes
 
 diffusers: Any = _diffusers
@@ -88,6 +89,11 @@ class ResidentModel:
             self._held = _Held(key=key, components=load_components(config, runtime), compiled={})
             self.loads += 1
         components = self._held.components
+        # A family whose frozen encoders wait in host memory between prompt encodings (base.py)
+        # gets them back on the device for this run's encoding (or sampling).
+        for encoder in components.text_encoders.values():
+            if encoder.device != runtime.device:
+                encoder.to(runtime.device)
         scheduler = components.noise_scheduler
         return dataclasses.replace(
             components, noise_scheduler=type(scheduler).from_config(scheduler.config)
@@ -115,18 +121,18 @@ class ResidentModel:
         """Puts the resident modules back to computing what they computed as loaded, after a
         run or a sample task: adapters parked (`park_lora`), gradient checkpointing off, eval
         mode. Drops the whole set if that fails."""
-        if self._held is None or components.unet is not self._held.components.unet:
+        if self._held is None or components.denoiser is not self._held.components.denoiser:
             return
         try:
             # Checkpointing first: turning it off on an encoder that still has its adapter also
             # removes the input-grad hook transformers added for it.
-            if components.unet.is_gradient_checkpointing:
-                components.unet.disable_gradient_checkpointing()
-            for encoder in components.text_encoders:
-                if encoder.is_activation_checkpointing:
+            if components.denoiser.is_gradient_checkpointing:
+                components.denoiser.disable_gradient_checkpointing()
+            for encoder in components.text_encoders.values():
+                if getattr(encoder, "is_activation_checkpointing", False):
                     encoder.activation_checkpointing_disable()
             park_lora(components)
-            for module in (components.unet, components.vae, *components.text_encoders):
+            for module in (*components.modules.values(), components.vae):
                 module.eval()
             key = self._held.key
             self._adapter_shapes = tuple(

@@ -22,11 +22,11 @@ import torch
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from lorafleet.core.model import SampleSettings
-from lorafleet.worker.training.base_model import Components, sampling_pipeline
 from lorafleet.worker.training.checkpoint import load_checkpoint
 from lorafleet.worker.training.config import Runtime, TrainingConfig, resolve_runtime
 from lorafleet.worker.training.failures import CorruptCheckpoint, input_fault
-from lorafleet.worker.training.lora import add_lora, convert_state_dict_to_diffusers
+from lorafleet.worker.training.families.base import Components
+from lorafleet.worker.training.lora import add_lora
 from lorafleet.worker.training.resident import ResidentModel
 from lorafleet.worker.training.sampling import png_bytes
 
@@ -80,7 +80,7 @@ class SamplePipelines:
                     )
                 for module in trained.values():
                     module.requires_grad_(False)
-                _set_weights(trained, weights, weights_is_checkpoint)
+                _set_weights(components, trained, weights, weights_is_checkpoint)
                 return _images(
                     components, runtime, settings, should_stop=should_stop, on_image=on_image
                 )
@@ -101,9 +101,13 @@ def _images(
     should_stop: Callable[[], bool],
     on_image: Callable[[int, int, bytes], None] | None,
 ) -> list[tuple[int, int, bytes]]:
-    pipeline = sampling_pipeline(components)
+    family = components.family
+    pipeline = family.sampling_pipeline(components)
+    arguments = family.sample_arguments(
+        negative_prompt=settings.negative_prompt, guidance_scale=settings.guidance_scale
+    )
     out: list[tuple[int, int, bytes]] = []
-    for module in (components.unet, *components.text_encoders):
+    for module in components.modules.values():
         module.eval()
     devices = [runtime.device.index or 0] if runtime.is_cuda else []
     with torch.random.fork_rng(devices=devices, device_type=runtime.device.type):
@@ -115,12 +119,11 @@ def _images(
                 with torch.no_grad():
                     image = pipeline(
                         prompt=prompt,
-                        negative_prompt=settings.negative_prompt or None,
                         height=settings.resolution,
                         width=settings.resolution,
                         num_inference_steps=settings.inference_steps,
-                        guidance_scale=settings.guidance_scale,
                         generator=generator,
+                        **arguments,
                     ).images[0]
                 data = png_bytes(image)
                 out.append((prompt_index, image_index, data))
@@ -129,7 +132,9 @@ def _images(
     return out
 
 
-def _set_weights(trained: Mapping[str, Any], weights: bytes, is_checkpoint: bool) -> None:
+def _set_weights(
+    components: Components, trained: Mapping[str, Any], weights: bytes, is_checkpoint: bool
+) -> None:
     if is_checkpoint:
         try:
             tensors = load_checkpoint(weights).tensors
@@ -152,14 +157,14 @@ def _set_weights(trained: Mapping[str, Any], weights: bytes, is_checkpoint: bool
     for name, module in trained.items():
         prefix = f"{name}."
         ours = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-        # What each peft key becomes in the result (the trainer's conversion, applied to
-        # tagged placeholders), read backwards.
+        # What each peft key becomes in the result (the family's layout, applied to tagged
+        # placeholders), read backwards.
         current = get_peft_model_state_dict(module, save_embedding_layers=False)
         peft_keys = list(current)
         tagged = {k: torch.tensor([i]) for i, k in enumerate(peft_keys)}
         by_diffusers = {
-            key: peft_keys[int(tag[0])]
-            for key, tag in convert_state_dict_to_diffusers(tagged).items()
+            key.removeprefix(prefix): peft_keys[int(tag[0])]
+            for key, tag in components.family.diffusers_state_dict({name: tagged}).items()
         }
         if set(ours) != set(by_diffusers) or any(
             v.shape != current[by_diffusers[k]].shape for k, v in ours.items()

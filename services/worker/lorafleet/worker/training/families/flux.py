@@ -1,0 +1,295 @@
+"""FLUX.1 (dev and schnell): `FluxTransformer2DModel` over 2x2-packed 16-channel latents, a
+CLIP-L pooled embedding plus T5-XXL token embeddings, rectified flow with the guidance
+embedding of the guidance-distilled dev model, as diffusers' `train_dreambooth_lora_flux.py`
+trains it. `train_text_encoder` trains CLIP-L (T5 stays frozen, as in that script).
+
+The constants come from `FluxPipeline` (its packing and position ids, its default guidance
+3.5 and sequence length 512), never copied numbers: a test checks them against the pipeline.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lorafleet.worker.training.base_model import (
+    SAFE,
+    diffusers,
+    load_kwargs,
+    load_vae,
+    quantization_config,
+    raise_if_missing_repo,
+    transformers,
+    weights,
+)
+from lorafleet.worker.training.failures import input_fault
+from lorafleet.worker.training.families.base import Components, Family, StepContext
+from lorafleet.worker.training.families.flow import draw_flow, flow_loss, guidance_for, noised
+
+if TYPE_CHECKING:
+    from lorafleet.core.spec import JobSpec
+    from lorafleet.worker.training.config import Runtime, TrainingConfig
+    from lorafleet.worker.training.data import Example
+
+# diffusers' script's default targets: the double blocks' image and text attention and
+# feed-forwards; the single blocks' attention projections match the to_q/to_k/to_v suffixes.
+TRANSFORMER_TARGET_MODULES = (
+    "attn.to_k",
+    "attn.to_q",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+)
+
+
+def pipeline_default(name: str) -> Any:
+    """A `FluxPipeline.__call__` default (guidance_scale, max_sequence_length)."""
+    return inspect.signature(diffusers.FluxPipeline.__call__).parameters[name].default
+
+
+class Flux(Family):
+    name = "flux"
+    pipeline_class = "FluxPipeline"
+    denoiser_name = "transformer"
+    trainable_encoders = ("text_encoder",)
+    encoders_stay_on_device = False
+
+    def load(self, config: TrainingConfig, runtime: Runtime) -> Components:
+        ref = config.model_ref
+        common = load_kwargs(config)
+        try:
+            tokenizer = transformers.CLIPTokenizer.from_pretrained(
+                ref, subfolder="tokenizer", **common
+            )
+        except Exception as exc:
+            raise_if_missing_repo(exc, "base_model", ref)
+            raise
+        tokenizer_2 = transformers.T5TokenizerFast.from_pretrained(
+            ref, subfolder="tokenizer_2", **common
+        )
+        frozen = runtime.frozen_dtype
+        text_kwargs = {"dtype": frozen, **SAFE, **common}
+        text_encoder = weights(
+            lambda: transformers.CLIPTextModel.from_pretrained(
+                ref, subfolder="text_encoder", attn_implementation="sdpa", **text_kwargs
+            ),
+            ref,
+            "text_encoder",
+        )
+        text_encoder_2 = weights(
+            lambda: transformers.T5EncoderModel.from_pretrained(
+                ref, subfolder="text_encoder_2", **text_kwargs
+            ),
+            ref,
+            "text_encoder_2",
+        )
+        transformer = weights(
+            lambda: diffusers.FluxTransformer2DModel.from_pretrained(
+                ref,
+                subfolder="transformer",
+                torch_dtype=frozen,
+                **quantization_config(config.spec, runtime),
+                **SAFE,
+                **common,
+            ),
+            ref,
+            "transformer",
+        )
+        vae = load_vae(config, frozen, diffusers.AutoencoderKL)
+        scheduler_class = diffusers.FlowMatchEulerDiscreteScheduler
+        noise_scheduler = scheduler_class.from_pretrained(ref, subfolder="scheduler", **common)
+        sampler_config = dict(scheduler_class.load_config(ref, subfolder="scheduler", **common))
+        return Components(
+            family=self,
+            denoiser=transformer,
+            vae=vae,
+            text_encoders={"text_encoder": text_encoder, "text_encoder_2": text_encoder_2},
+            tokenizers={"tokenizer": tokenizer, "tokenizer_2": tokenizer_2},
+            noise_scheduler=noise_scheduler,
+            sampler_config=sampler_config,
+        )
+
+    def check(self, config: TrainingConfig, components: Components) -> None:
+        check_resolution(config, components)
+
+    def denoiser_targets(self, denoiser: Any) -> tuple[str, ...]:
+        return TRANSFORMER_TARGET_MODULES
+
+    def tokenize(
+        self, components: Components, prompts: list[str], spec: JobSpec
+    ) -> tuple[torch.Tensor, ...]:
+        """CLIP's 77 tokens and T5's `max_sequence_length` (the pipeline's 512 when 0)."""
+        clip, t5 = components.tokenizers.values()
+        length = spec.max_sequence_length or pipeline_default("max_sequence_length")
+        out = []
+        for tokenizer, max_length in ((clip, 77), (t5, length)):
+            out.append(
+                tokenizer(
+                    prompts,
+                    padding="max_length",
+                    max_length=max_length,
+                    truncation=True,
+                    return_tensors="pt",
+                ).input_ids
+            )
+        return tuple(out)
+
+    def encode(
+        self, components: Components, tokens: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        """T5's last hidden states (the token embeddings) and CLIP's pooled output, as
+        `FluxPipeline.encode_prompt` computes them."""
+        clip, t5 = components.text_encoders.values()
+        clip_ids, t5_ids = tokens
+        pooled = clip(clip_ids.to(clip.device), output_hidden_states=False).pooler_output
+        prompt_embeds = t5(t5_ids.to(t5.device))[0]
+        return prompt_embeds, pooled
+
+    def latents(
+        self, moments: torch.Tensor, generator: torch.Generator, components: Components
+    ) -> torch.Tensor:
+        """A draw from the posterior (the script's `latent_dist.sample()`), shifted and scaled
+        by the VAE config's shift_factor and scaling_factor."""
+        mean, std = moments.float().chunk(2, dim=1)
+        eps = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+        config = components.vae.config
+        return (mean + std * eps - float(config.shift_factor)) * float(config.scaling_factor)
+
+    def draw(
+        self,
+        latents: torch.Tensor,
+        generator: torch.Generator,
+        examples: list[Example],
+        run: Any,
+    ) -> tuple[torch.Tensor, ...]:
+        return draw_flow(latents, generator, run.components.noise_scheduler, run.spec)
+
+    def loss(
+        self,
+        run: StepContext,
+        latents: torch.Tensor,
+        draws: Sequence[torch.Tensor],
+        conditioning: Sequence[torch.Tensor],
+    ) -> torch.Tensor:
+        noise, timesteps, sigmas = draws
+        spec = run.spec
+        batch, channels, height, width = latents.shape
+        pipeline = diffusers.FluxPipeline
+        packed = pipeline._pack_latents(
+            noised(latents, noise, sigmas), batch, channels, height, width
+        )
+        image_ids = pipeline._prepare_latent_image_ids(
+            batch, height // 2, width // 2, latents.device, latents.dtype
+        )
+        prompt_embeds, pooled = conditioning
+        text_ids = torch.zeros(prompt_embeds.shape[1], 3, device=latents.device)
+        transformer = run.components.denoiser
+        guidance = guidance_for(transformer, spec, pipeline_default("guidance_scale"), batch)
+        with run.autocast():
+            prediction = run.denoiser_forward(
+                hidden_states=packed,
+                # The transformer scales its timestep input by 1000 itself.
+                timestep=timesteps / 1000,
+                guidance=guidance,
+                pooled_projections=pooled,
+                encoder_hidden_states=prompt_embeds,
+                txt_ids=text_ids,
+                img_ids=image_ids,
+                return_dict=False,
+            )[0]
+        scale = vae_scale_factor(run.components)
+        prediction = pipeline._unpack_latents(
+            prediction, height=height * scale, width=width * scale, vae_scale_factor=scale
+        )
+        return flow_loss(
+            prediction,
+            latents,
+            noise,
+            sigmas,
+            scheme=spec.weighting_scheme,
+            with_prior=run.num_class > 0,
+            prior_loss_weight=spec.prior_loss_weight,
+        )
+
+    def diffusers_state_dict(
+        self, peft_states: Mapping[str, dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        # As FluxPipeline.save_lora_weights writes the script's layers: peft keys, prefixed.
+        return {
+            f"{prefix}.{key}": tensor
+            for prefix, state in peft_states.items()
+            for key, tensor in state.items()
+        }
+
+    def kohya_state_dict(
+        self, peft_states: Mapping[str, dict[str, torch.Tensor]], alphas: Mapping[str, float]
+    ) -> dict[str, torch.Tensor]:
+        """`lora_transformer_<module path with _>` and `lora_te1_...` keys with lora_down /
+        lora_up and an `.alpha` (OneTrainer's layout for Flux): ComfyUI maps them onto its
+        Flux model and diffusers' `FluxPipeline.load_lora_weights` converts them."""
+        return kohya_layout(
+            peft_states, alphas, {"transformer": "lora_transformer", "text_encoder": "lora_te1"}
+        )
+
+    def sampling_pipeline(self, components: Components) -> Any:
+        pipeline = diffusers.FluxPipeline(
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(
+                components.sampler_config
+            ),
+            vae=components.vae,
+            transformer=components.denoiser,
+            **components.text_encoders,
+            **components.tokenizers,
+        )
+        pipeline.set_progress_bar_config(disable=True)
+        return pipeline
+
+    def sample_arguments(self, *, negative_prompt: str, guidance_scale: float) -> dict[str, Any]:
+        # FLUX.1 dev is guidance-distilled: guidance_scale is the embedded guidance; a negative
+        # prompt takes true classifier-free guidance (true_cfg_scale > 1) at twice the cost.
+        arguments: dict[str, Any] = {"guidance_scale": guidance_scale}
+        if negative_prompt:
+            arguments |= {"negative_prompt": negative_prompt, "true_cfg_scale": 2.0}
+        return arguments
+
+
+def vae_scale_factor(components: Components) -> int:
+    return int(2 ** (len(components.vae.config.block_out_channels) - 1))
+
+
+def check_resolution(config: TrainingConfig, components: Components) -> None:
+    """The latents are packed in 2x2 patches: the image side must divide into them."""
+    multiple = vae_scale_factor(components) * 2
+    if config.spec.resolution % multiple:
+        raise input_fault(
+            f"resolution: {config.spec.family} needs a multiple of {multiple} pixels"
+            f" (got {config.spec.resolution})"
+        )
+
+
+def kohya_layout(
+    peft_states: Mapping[str, dict[str, torch.Tensor]],
+    alphas: Mapping[str, float],
+    prefixes: Mapping[str, str],
+) -> dict[str, torch.Tensor]:
+    """peft `<path>.lora_A.weight` / `lora_B.weight` keys as `<prefix>_<path with _>.lora_down
+    .weight` / `.lora_up.weight` and `.alpha` (the adapter's lora_alpha)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, state in peft_states.items():
+        for key, tensor in state.items():
+            path, kind = key.rsplit(".lora_", 1)
+            base = f"{prefixes[name]}_{path.replace('.', '_')}"
+            part = {"A.weight": "lora_down.weight", "B.weight": "lora_up.weight"}[kind]
+            out[f"{base}.{part}"] = tensor
+            out[f"{base}.alpha"] = torch.tensor(alphas[name], dtype=torch.float32)
+    return out
