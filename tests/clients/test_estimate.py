@@ -18,6 +18,7 @@ import pytest
 from lorafleet.app.main import main
 from lorafleet.client import AsyncClient
 from lorafleet.core.errors import FailedPrecondition
+from lorafleet.core.model import Estimate
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.scheduler.auth import create_api_key
@@ -128,6 +129,7 @@ async def test_a_submit_past_the_keys_spend_limit_is_refused(fleet: Fleet) -> No
     async with AsyncClient(target, api_key=limited.key) as client:
         spec = {"instance_prompt": "a dog", "instance_data_prefix": "dogs/rex"}
         estimate = await client.estimate(spec, max_train_steps=1000)
+        assert isinstance(estimate, Estimate) and estimate.known  # typed, as every result
         assert estimate.dollars == pytest.approx(0.5)
         assert estimate.spend_limit_dollars == pytest.approx(0.3)
         with pytest.raises(

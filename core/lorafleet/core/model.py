@@ -73,6 +73,27 @@ def shape_seconds_per_step(
 
 
 @dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """EstimateJob's answer: what a job would take on this fleet, from verified completions of
+    jobs of its shape. 0 means unknown or none, as on the wire: `seconds_per_step`, `seconds`
+    and `dollars` while fewer than the operator's minimum of machines finished one (`samples`),
+    `price_per_gpu_hour` and `dollars` with no price configured, `spend_limit_dollars` for a
+    key without a limit."""
+
+    seconds_per_step: float
+    samples: int
+    seconds: float
+    price_per_gpu_hour: float
+    dollars: float
+    spend_limit_dollars: float
+    spent_dollars: float
+
+    @property
+    def known(self) -> bool:
+        return self.samples > 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Progress:
     step: int
     max_steps: int

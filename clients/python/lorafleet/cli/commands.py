@@ -35,9 +35,15 @@ from lorafleet.client.dataset import (
     read_zip,
 )
 from lorafleet.core.errors import InvalidArgument
-from lorafleet.core.model import RESULT_FILE_NAMES, Job, JobEvent, JobState, result_format
+from lorafleet.core.model import (
+    RESULT_FILE_NAMES,
+    Estimate,
+    Job,
+    JobEvent,
+    JobState,
+    result_format,
+)
 from lorafleet.core.spec import SPEC_FIELD, SPEC_FIELDS, JobSpec, SpecField
-from lorafleet.jobs.v1 import jobs_pb2 as pb
 
 
 def _spec_help(f: SpecField) -> str:
@@ -202,7 +208,7 @@ def event_json(event: JobEvent) -> dict[str, Any]:
     }
 
 
-def estimate_json(e: pb.EstimateJobResponse) -> dict[str, Any]:
+def estimate_json(e: Estimate) -> dict[str, Any]:
     return {
         "seconds_per_step": e.seconds_per_step or None,
         "samples": e.samples,
@@ -214,7 +220,7 @@ def estimate_json(e: pb.EstimateJobResponse) -> dict[str, Any]:
     }
 
 
-def describe_estimate(e: pb.EstimateJobResponse) -> str:
+def describe_estimate(e: Estimate) -> str:
     if not e.samples:
         return (
             "no estimate: too few of this fleet's machines have finished a job of this shape"

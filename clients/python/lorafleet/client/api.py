@@ -47,7 +47,7 @@ from lorafleet.core.errors import (
     Unauthenticated,
 )
 from lorafleet.core.lifecycle import AsyncLifecycle
-from lorafleet.core.model import Checkpoint, Job, JobEvent, JobState, result_format
+from lorafleet.core.model import Checkpoint, Estimate, Job, JobEvent, JobState, result_format
 from lorafleet.core.model_refs import check_model_ref_shape
 from lorafleet.core.serde import (
     JOB_STATES,
@@ -342,11 +342,19 @@ class AsyncClient(AsyncLifecycle):
 
     async def estimate(
         self, spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any
-    ) -> pb.EstimateJobResponse:
+    ) -> Estimate:
         """Expected seconds and dollars of a job before submitting it (EstimateJob)."""
         request = pb.EstimateJobRequest(spec=build_spec(spec, **fields))
-        response: pb.EstimateJobResponse = await self._unary("EstimateJob", request)
-        return response
+        r: pb.EstimateJobResponse = await self._unary("EstimateJob", request)
+        return Estimate(
+            seconds_per_step=r.seconds_per_step,
+            samples=r.samples,
+            seconds=r.seconds,
+            price_per_gpu_hour=r.price_per_gpu_hour,
+            dollars=r.dollars,
+            spend_limit_dollars=r.spend_limit_dollars,
+            spent_dollars=r.spent_dollars,
+        )
 
     async def submit_batch(self, specs: Sequence[JobSpec | Mapping[str, Any]]) -> list[Job]:
         """All or nothing: either every job is queued or none is."""
@@ -757,9 +765,7 @@ class Client:
     ) -> Job:
         return self._run(self._async.submit(spec, idempotency_key=idempotency_key, **fields))
 
-    def estimate(
-        self, spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any
-    ) -> pb.EstimateJobResponse:
+    def estimate(self, spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any) -> Estimate:
         return self._run(self._async.estimate(spec, **fields))
 
     def submit_batch(self, specs: Sequence[JobSpec | Mapping[str, Any]]) -> builtins.list[Job]:
