@@ -26,7 +26,7 @@ $$;
 -- shape like the prior): what the scaler judges a node slow against, beside its live peers.
 -- Learned only from machines that have been in the fleet for hours, and moved at a bounded
 -- rate per hour (scaler/policy.py, "Slow node"); an operator may pin a class instead
--- (LORAFLEET_SCALER_REFERENCE_PACES), and then this row is not read.
+-- (LORAFLEET_REFERENCE_PACES), and then this row is not read.
 CREATE TABLE pace_references (
     gpu_class        text PRIMARY KEY,
     seconds_per_step float8 NOT NULL CHECK (seconds_per_step > 0),
