@@ -137,3 +137,37 @@ async def test_unknown_instances_and_bad_counts_are_refused(local: LocalProcessP
         await local.reallocate("local-7")
     with pytest.raises(ValueError, match="replicas"):
         await local.scale_to(-1)
+
+
+SAYS_ITS_SIGNAL = STAND_IN.replace(
+    'say("drained", slot, machine, os.getpid())',
+    'say("drained:" + signal.Signals(_[0]).name, slot, machine, os.getpid())',
+).replace(
+    "signal.signal(signal.SIGTERM, drain)",
+    "signal.signal(signal.SIGTERM, drain)\nsignal.signal(signal.SIGINT, drain)",
+)
+
+
+async def test_an_interrupted_fleet_passes_the_interrupt_on(
+    tmp_path: Path, reports: Reports
+) -> None:
+    """Ctrl-C on `lorafleet up` reaches the workers as SIGINT, so the drain their jobs record
+    says SIGINT (an interrupt), not SIGTERM (a node going away)."""
+    provider = LocalProcessProvider(
+        scheduler_address="127.0.0.1:1",
+        worker_token="t",
+        log_dir=tmp_path,
+        gpus=0,
+        extra_env={"TEST_REPORT_TO": await reports.start()},
+        worker_argv=(sys.executable, "-c", SAYS_ITS_SIGNAL),
+    )
+    try:
+        await provider.scale_to(1)
+        assert (await reports.next())[0] == "ready"
+        await provider.restart("local-0")  # a restart is still a SIGTERM
+        assert (await reports.next())[0] == "drained:SIGTERM"
+        assert (await reports.next())[0] == "ready"
+        provider.interrupted()
+    finally:
+        await provider.stop(timeout_s=10)
+    assert (await reports.next())[0] == "drained:SIGINT"

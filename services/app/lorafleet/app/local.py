@@ -22,7 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +50,8 @@ class LocalFleet:
     target: str
     api_key: str
     data_dir: Path
+    # Tells the workers, when the fleet stops, that the operator interrupted it (Ctrl-C).
+    interrupted: Callable[[], None] = lambda: None
 
 
 async def ensure_local_api_key(ledger: Ledger, data_dir: Path) -> str:
@@ -152,7 +154,10 @@ async def local_fleet(
         running = asyncio.create_task(scaler.run(), name="scaler")
         try:
             yield LocalFleet(
-                target=f"127.0.0.1:{scheduler.port}", api_key=api_key, data_dir=data_dir
+                target=f"127.0.0.1:{scheduler.port}",
+                api_key=api_key,
+                data_dir=data_dir,
+                interrupted=provider.interrupted,
             )
         finally:
             # The scaler first (it must not start workers again), then the workers: they
@@ -209,9 +214,15 @@ def _worker_env(args: argparse.Namespace) -> dict[str, str]:
 async def run_up(args: argparse.Namespace) -> int:
     env = _worker_env(args)
     stop = asyncio.Event()
+    stopped_by: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        stopped_by.append(sig)
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     async with local_fleet(
         args.data_dir,
         listen=args.listen,
@@ -231,6 +242,9 @@ async def run_up(args: argparse.Namespace) -> int:
             flush=True,
         )
         await stop.wait()
+        if stopped_by[:1] == [signal.SIGINT]:
+            # The workers' drains then say SIGINT on the jobs' timelines, not SIGTERM.
+            fleet.interrupted()
         print("stopping: draining workers...", file=sys.stderr, flush=True)
     return 0
 

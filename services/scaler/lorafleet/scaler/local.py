@@ -97,6 +97,13 @@ class LocalProcessProvider:
         self._worker_argv = tuple(worker_argv)
         self._slots: dict[int, _Slot] = {}
         self._supervisors: dict[int, asyncio.Task[None]] = {}
+        # What `stop()` sends the workers: SIGTERM, or SIGINT once the operator interrupted
+        # (`interrupted()`), so that a drain recorded on a job's timeline says what happened.
+        self._stop_signal = signal.SIGTERM
+
+    def interrupted(self) -> None:
+        """The operator pressed Ctrl-C: `stop()` passes the interrupt on (SIGINT)."""
+        self._stop_signal = signal.SIGINT
 
     def _slot_env(self, index: int, machine_id: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -203,18 +210,23 @@ class LocalProcessProvider:
 
     async def stop(self, *, timeout_s: float) -> None:
         await asyncio.gather(
-            *(self._stop_slot(s, timeout_s=timeout_s) for s in self._slots.values())
+            *(
+                self._stop_slot(s, timeout_s=timeout_s, sig=self._stop_signal)
+                for s in self._slots.values()
+            )
         )
         for task in self._supervisors.values():
             task.cancel()
         await asyncio.gather(*self._supervisors.values(), return_exceptions=True)
 
-    async def _stop_slot(self, slot: _Slot, *, timeout_s: float) -> None:
+    async def _stop_slot(
+        self, slot: _Slot, *, timeout_s: float, sig: signal.Signals = signal.SIGTERM
+    ) -> None:
         slot.stopping = True
         process = slot.process
         if process is None or process.returncode is not None:
             return
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(sig)
         try:
             async with asyncio.timeout(timeout_s):
                 await process.wait()

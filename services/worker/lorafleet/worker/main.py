@@ -103,7 +103,8 @@ async def serve(config: WorkerConfig) -> int:
         nonlocal signals_seen
         signals_seen += 1
         if signals_seen == 1:
-            agent.drain(name)
+            # The reason goes on the job's timeline with its drain.
+            agent.drain("SIGINT (interrupted, e.g. Ctrl-C)" if name == "SIGINT" else name)
         else:
             log.warning("second signal: stopping now", signal=name)
             task = loop.create_task(agent.shutdown())
