@@ -69,6 +69,18 @@ def tiny_model_dir(tiny_model: Path) -> Path:
     return tiny_model
 
 
+@pytest.fixture(scope="session")
+def tiny_flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny FLUX.1-dev-architecture model (a `FluxPipeline`), built once per run."""
+    return models.tiny_model(tmp_path_factory, "flux")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny FLUX.2 [klein]-architecture model (a `Flux2KleinPipeline`), built once per run."""
+    return models.tiny_model(tmp_path_factory, "flux2")
+
+
 @pytest.fixture
 def scheduler_overrides() -> dict[str, Any]:
     """SchedulerConfig overrides of one test (`@pytest.mark.parametrize` it)."""

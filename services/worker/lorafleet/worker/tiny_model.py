@@ -1,319 +1,106 @@
-"""A randomly initialised SDXL-architecture model, saved in the diffusers pipeline layout.
+"""Randomly initialised SDXL, FLUX.1 or FLUX.2 [klein] models, saved in the diffusers layout.
 
-No SDXL weights can be downloaded where lorafleet is tested or demonstrated, so this module
-builds a stand-in with the *architecture* of SDXL (a UNet with `addition_embed_type="text_time"`
-micro-conditioning, two CLIP text encoders whose hidden sizes add up to the UNet's
-cross-attention width, the second one with a projection feeding the pooled embedding, an
-AutoencoderKL, a scheduler config) and saves it with `StableDiffusionXLPipeline.save_pretrained`.
-Everything downstream loads it through the real `from_pretrained` code paths.
+No weights can be downloaded where lorafleet is tested or demonstrated, so this builds a
+stand-in with the *architecture* of a family (the modules of `lorafleet.worker.tiny_models`,
+one a family, say where every dimension comes from) and saves it with the family's pipeline
+`save_pretrained` (`StableDiffusionXLPipeline`, `FluxPipeline`, `Flux2KleinPipeline`), so that
+everything downstream loads it through the real `from_pretrained` code paths.
 
-Two presets:
-
-* `"tiny"`: a few hundred thousand parameters; trains at 64 px on a CPU in well under a second
-  per step. Used by the tests, `lorafleet demo` and the CPU benchmark.
-* `"sdxl"`: the full-size SDXL UNet, VAE and text-encoder shapes (2.6 B UNet parameters) with
-  random weights, for measuring step time on a real accelerator at 1024 px.
-
-The CLIP tokenizers are real byte-level BPE tokenizers loaded from a `vocab.json` and
-`merges.txt` generated here (byte alphabet plus merges learnt from a small fixed word list).
+Each family has a `"tiny"` preset (trains at 32 or 64 px on one CPU thread in well under a
+second per step; used by the tests, `lorafleet demo` and the CPU benchmark) and its full-size
+presets with random weights (`"sdxl"`, `"flux-dev"`, `"klein-4b"`, `"klein-9b"`) for measuring
+step time and memory on an accelerator at 1024 px.
 """
 
 from __future__ import annotations
 
-import json
-from collections import Counter
-from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-TinyPreset = Literal["tiny", "sdxl"]
-WeightsDtype = Literal["fp32", "bf16"]
+from lorafleet.worker.tiny_models import flux, flux2, sdxl
+from lorafleet.worker.tiny_models.common import WeightsDtype
+from lorafleet.worker.tiny_models.sdxl import PRESETS, ModelShape, SdxlPreset
+from lorafleet.worker.tiny_models.tokenizers import bpe_vocab_and_merges
 
-# SDXL micro-conditioning feeds six time ids (original h/w, crop top/left, target h/w) through a
-# sinusoidal embedding of `addition_time_embed_dim` each, concatenated with the pooled text
-# embedding of the second encoder: that sum is the UNet's projection input width.
-_TIME_IDS = 6
+Family = Literal["sdxl", "flux", "flux2"]
 
-# Words the generated BPE merges are learnt from: prompts the tests and demo use.
-_CORPUS = (
-    "a photo of sks dog cat person man woman in the style on beach park forest city street "
-    "portrait picture painting drawing sketch red blue green yellow small large cute happy "
-    "sitting standing running wearing hat with and at by near under over night day sunny "
-    "snow water mountain house car toy bear robot flower tree sky light dark close up"
-)
-_NUM_MERGES = 200
-_BOS = "<|startoftext|>"
-_EOS = "<|endoftext|>"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelShape:
-    """Every dimension a preset fixes."""
-
-    unet_block_out_channels: tuple[int, ...]
-    unet_layers_per_block: int
-    unet_attention_head_dim: tuple[int, ...]
-    unet_transformer_layers_per_block: tuple[int, ...]
-    unet_down_block_types: tuple[str, ...]
-    unet_up_block_types: tuple[str, ...]
-    unet_norm_num_groups: int
-    addition_time_embed_dim: int
-    text_hidden_sizes: tuple[int, int]
-    text_intermediate_sizes: tuple[int, int]
-    text_heads: tuple[int, int]
-    text_layers: tuple[int, int]
-    projection_dim: int
-    vae_block_out_channels: tuple[int, ...]
-    vae_layers_per_block: int
-    vae_norm_num_groups: int
-    sample_size: int
-    max_tokens: int
-
-    @property
-    def cross_attention_dim(self) -> int:
-        return sum(self.text_hidden_sizes)
-
-    @property
-    def projection_class_embeddings_input_dim(self) -> int:
-        return _TIME_IDS * self.addition_time_embed_dim + self.projection_dim
-
-
-PRESETS: dict[TinyPreset, ModelShape] = {
-    "tiny": ModelShape(
-        unet_block_out_channels=(32, 64),
-        unet_layers_per_block=1,
-        unet_attention_head_dim=(2, 4),
-        unet_transformer_layers_per_block=(1, 2),
-        unet_down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        unet_up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        unet_norm_num_groups=32,
-        addition_time_embed_dim=8,
-        text_hidden_sizes=(32, 32),
-        text_intermediate_sizes=(37, 37),
-        text_heads=(4, 4),
-        text_layers=(2, 2),
-        projection_dim=32,
-        vae_block_out_channels=(32, 64),
-        vae_layers_per_block=1,
-        vae_norm_num_groups=32,
-        sample_size=64,
-        max_tokens=77,
-    ),
-    # stabilityai/stable-diffusion-xl-base-1.0's shapes (CLIP ViT-L and OpenCLIP bigG encoders).
-    "sdxl": ModelShape(
-        unet_block_out_channels=(320, 640, 1280),
-        unet_layers_per_block=2,
-        unet_attention_head_dim=(5, 10, 20),
-        unet_transformer_layers_per_block=(1, 2, 10),
-        unet_down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        unet_up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-        unet_norm_num_groups=32,
-        addition_time_embed_dim=256,
-        text_hidden_sizes=(768, 1280),
-        text_intermediate_sizes=(3072, 5120),
-        text_heads=(12, 20),
-        text_layers=(12, 32),
-        projection_dim=1280,
-        vae_block_out_channels=(128, 256, 512, 512),
-        vae_layers_per_block=2,
-        vae_norm_num_groups=32,
-        sample_size=1024,
-        max_tokens=77,
-    ),
+# The presets of each family, first the tiny one.
+FAMILY_PRESETS: dict[Family, tuple[str, ...]] = {
+    "sdxl": tuple(sdxl.PRESETS),
+    "flux": tuple(flux.PRESETS),
+    "flux2": tuple(flux2.PRESETS),
 }
 
-
-def _byte_alphabet() -> list[str]:
-    """GPT-2/CLIP byte-level alphabet: every byte mapped to a printable character."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars: list[int] = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            chars.append(256 + extra)
-            extra += 1
-    return [chr(c) for c in chars]
-
-
-def bpe_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """A small CLIP-style vocabulary: byte alphabet, end-of-word forms, learnt merges, specials.
-
-    The merges are learnt with plain BPE over `_CORPUS` so common prompt words become single
-    tokens, as they are in the real CLIP vocabulary. Deterministic: ties break alphabetically.
-    """
-    alphabet = _byte_alphabet()
-    tokens: list[str] = [*alphabet, *(c + "</w>" for c in alphabet)]
-    words: Counter[tuple[str, ...]] = Counter()
-    for word in _CORPUS.split():
-        words[(*word[:-1], word[-1] + "</w>")] += 1
-    merges: list[tuple[str, str]] = []
-    while len(merges) < _NUM_MERGES:
-        pairs: Counter[tuple[str, str]] = Counter()
-        for symbols, count in words.items():
-            for pair in pairwise(symbols):
-                pairs[pair] += count
-        if not pairs:
-            break
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merges.append(best)
-        tokens.append(best[0] + best[1])
-        merged: Counter[tuple[str, ...]] = Counter()
-        for symbols, count in words.items():
-            out: list[str] = []
-            i = 0
-            while i < len(symbols):
-                if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
-                    out.append(best[0] + best[1])
-                    i += 2
-                else:
-                    out.append(symbols[i])
-                    i += 1
-            merged[tuple(out)] += count
-        words = merged
-    # As in CLIP, the special tokens take the last ids.
-    tokens += [_BOS, _EOS]
-    return {token: index for index, token in enumerate(tokens)}, merges
-
-
-def _write_tokenizer_files(directory: Path, max_tokens: int) -> None:
-    vocab, merges = bpe_vocab_and_merges()
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    lines = ["#version: 0.2", *(f"{a} {b}" for a, b in merges)]
-    (directory / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"model_max_length": max_tokens, "tokenizer_class": "CLIPTokenizer"}),
-        encoding="utf-8",
-    )
-
-
-def _text_config(shape: ModelShape, index: int, vocab_size: int) -> Any:
-    from transformers import CLIPTextConfig
-
-    return CLIPTextConfig(
-        vocab_size=vocab_size,
-        hidden_size=shape.text_hidden_sizes[index],
-        intermediate_size=shape.text_intermediate_sizes[index],
-        num_attention_heads=shape.text_heads[index],
-        num_hidden_layers=shape.text_layers[index],
-        max_position_embeddings=shape.max_tokens,
-        projection_dim=shape.projection_dim,
-        hidden_act="gelu" if index else "quick_gelu",
-        # The pooled output is taken at the first end-of-text token (transformers' modern rule).
-        bos_token_id=vocab_size - 2,
-        eos_token_id=vocab_size - 1,
-        pad_token_id=vocab_size - 1,
-    )
+__all__ = [
+    "FAMILY_PRESETS",
+    "PRESETS",
+    "Family",
+    "ModelShape",
+    "SdxlPreset",
+    "WeightsDtype",
+    "bpe_vocab_and_merges",
+    "build_tiny_model",
+]
 
 
 def build_tiny_model(
     directory: str | Path,
     *,
-    preset: TinyPreset = "tiny",
+    family: Family = "sdxl",
+    preset: str = "tiny",
     seed: int = 0,
     weights_dtype: WeightsDtype = "fp32",
 ) -> Path:
-    """Builds a random SDXL-architecture model and saves it as a diffusers pipeline at `directory`.
+    """Builds a random model of `family` at `preset`'s size and saves it as the family's
+    diffusers pipeline at `directory`. Returns the path.
 
-    `StableDiffusionXLPipeline.from_pretrained(directory)` loads the result. Returns the path.
-    `weights_dtype` "bf16" halves the files of the full-size preset (5 GB instead of 10 GB for
-    the UNet); the VAE stays fp32, as SDXL's is published.
+    The same arguments write the same files. `weights_dtype` "bf16" halves the files of the
+    full-size presets (the VAEs stay fp32, as the families publish them).
     """
-    import diffusers as _diffusers
-    import torch
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
-
-    # diffusers' constructors are untyped: one Any-typed handle keeps this function checked.
-    diffusers: Any = _diffusers
-
-    shape = PRESETS[preset]
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    _write_tokenizer_files(root / "tokenizer", shape.max_tokens)
-    _write_tokenizer_files(root / "tokenizer_2", shape.max_tokens)
-    tokenizer = CLIPTokenizer.from_pretrained(root / "tokenizer")
-    tokenizer_2 = CLIPTokenizer.from_pretrained(root / "tokenizer_2")
-    vocab_size = len(tokenizer)
-
-    latent_scale = 2 ** (len(shape.vae_block_out_channels) - 1)
-    torch.manual_seed(seed)
-    unet = diffusers.UNet2DConditionModel(
-        sample_size=shape.sample_size // latent_scale,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=shape.unet_block_out_channels,
-        layers_per_block=shape.unet_layers_per_block,
-        down_block_types=shape.unet_down_block_types,
-        up_block_types=shape.unet_up_block_types,
-        attention_head_dim=shape.unet_attention_head_dim,
-        transformer_layers_per_block=shape.unet_transformer_layers_per_block,
-        cross_attention_dim=shape.cross_attention_dim,
-        use_linear_projection=True,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=shape.addition_time_embed_dim,
-        projection_class_embeddings_input_dim=shape.projection_class_embeddings_input_dim,
-        norm_num_groups=shape.unet_norm_num_groups,
+    presets = FAMILY_PRESETS.get(family)
+    if presets is None:
+        raise ValueError(f"family must be one of {sorted(FAMILY_PRESETS)}, not {family!r}")
+    if preset not in presets:
+        raise ValueError(f"preset of family {family!r} must be one of {presets}, not {preset!r}")
+    if family == "flux":
+        return flux.build_flux(
+            directory, preset=flux.PRESETS_BY_NAME[preset], seed=seed, weights_dtype=weights_dtype
+        )
+    if family == "flux2":
+        return flux2.build_flux2(
+            directory, preset=flux2.PRESETS_BY_NAME[preset], seed=seed, weights_dtype=weights_dtype
+        )
+    return sdxl.build_sdxl(
+        directory, preset=sdxl.PRESETS_BY_NAME[preset], seed=seed, weights_dtype=weights_dtype
     )
-    vae = diffusers.AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * len(shape.vae_block_out_channels),
-        up_block_types=("UpDecoderBlock2D",) * len(shape.vae_block_out_channels),
-        block_out_channels=shape.vae_block_out_channels,
-        layers_per_block=shape.vae_layers_per_block,
-        latent_channels=4,
-        norm_num_groups=shape.vae_norm_num_groups,
-        sample_size=shape.sample_size,
-        scaling_factor=0.13025,
-        force_upcast=True,
-    )
-    text_encoder = CLIPTextModel(_text_config(shape, 0, vocab_size))
-    text_encoder_2 = CLIPTextModelWithProjection(_text_config(shape, 1, vocab_size))
-    # SDXL base's scheduler config; the trainer reads it into a DDPMScheduler.
-    scheduler = diffusers.EulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        prediction_type="epsilon",
-        steps_offset=1,
-        timestep_spacing="leading",
-    )
-    pipeline = diffusers.StableDiffusionXLPipeline(
-        vae=vae,
-        text_encoder=text_encoder,
-        text_encoder_2=text_encoder_2,
-        tokenizer=tokenizer,
-        tokenizer_2=tokenizer_2,
-        unet=unet,
-        scheduler=scheduler,
-        add_watermarker=False,
-    )
-    if weights_dtype == "bf16":
-        frozen: list[Any] = [unet, text_encoder, text_encoder_2]
-        for module in frozen:
-            module.to(torch.bfloat16)
-    pipeline.save_pretrained(root)
-    return root
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m lorafleet.worker.tiny_model DIR [--preset sdxl]`."""
+    """`python -m lorafleet.worker.tiny_model DIR [--family flux] [--preset flux-dev]`."""
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--family", choices=sorted(FAMILY_PRESETS), default="sdxl")
+    parser.add_argument(
+        "--preset",
+        default="tiny",
+        help="; ".join(f"{f}: {', '.join(p)}" for f, p in FAMILY_PRESETS.items()),
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weights-dtype", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args(argv)
+    if args.preset not in FAMILY_PRESETS[args.family]:
+        parser.error(
+            f"--preset of --family {args.family} must be one of "
+            f"{', '.join(FAMILY_PRESETS[args.family])}, not {args.preset!r}"
+        )
     path = build_tiny_model(
-        args.directory, preset=args.preset, seed=args.seed, weights_dtype=args.weights_dtype
+        args.directory,
+        family=args.family,
+        preset=args.preset,
+        seed=args.seed,
+        weights_dtype=args.weights_dtype,
     )
     print(path)
 
