@@ -182,7 +182,9 @@ def test_format_and_json() -> None:
     assert "Jobs: 4 (batch=b1; created the start .. 2025-03-01T13:00:00+00:00)" in text
     assert "queued 1, succeeded 2, failed 1" in text
     assert "Nodes needed: 1: 1   2: 1   3+: 1   (never leased: 1)" in text
-    assert "6,300.0 GPU-s (1.750 GPU-h) at $2.00/GPU-h = $3.50" in text
+    # Billed node time, not "GPU time": a CPU worker is billed the same way.
+    assert "Node time (billed): 6,300.0 node-s (1.750 node-h) at $2.00/h = $3.50" in text
+    assert "GPU" not in text
     assert "per job $0.88 · per succeeded job $1.75 · per step $0.00233 (1,500 steps)" in text
     wall = next(line for line in text.splitlines() if line.startswith("wall time"))
     assert wall.split() == ["wall", "time", "(finished)", "3", "53s", "50s", "10s", "1m40s"]

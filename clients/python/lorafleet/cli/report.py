@@ -329,8 +329,11 @@ def format_report(report: Report, *, per_job: bool = False) -> str:
         "",
         f"Nodes needed: 1: {nodes.one}   2: {nodes.two}   3+: {nodes.three_plus}"
         f"   (never leased: {nodes.none})",
-        f"GPU time: {report.gpu_seconds:,.1f} GPU-s ({report.gpu_seconds / 3600:,.3f} GPU-h)"
-        f" at {_money(report.price_per_gpu_hour)}/GPU-h = {_money(report.cost)}",
+        # Billed per node-second, whatever the node trains on: a CPU worker's time is billed
+        # the same way, so "GPU time" would misname it.
+        f"Node time (billed): {report.gpu_seconds:,.1f} node-s"
+        f" ({report.gpu_seconds / 3600:,.3f} node-h) at {_money(report.price_per_gpu_hour)}/h"
+        f" = {_money(report.cost)}",
         f"Cost: per job {_money(report.cost_per_job)}"
         f" · per succeeded job {_money(report.cost_per_succeeded_job)}"
         f" · per step {_money(report.cost_per_step)} ({report.succeeded_steps:,} steps)",
@@ -345,7 +348,7 @@ def format_report(report: Report, *, per_job: bool = False) -> str:
             "s/step",
             "nodes",
             "interruptions",
-            "GPU-s",
+            "node-s",
         ]
         job_rows = [[*header, "cost"]]
         for line in report.jobs:

@@ -776,7 +776,12 @@ def _legend(
     if any(lease.resumed_at for lease in leases):
         items.append(("resumed", "reconnected"))
     if any(lease.notices for lease in leases):
-        items.append(("notice", "notice (e.g. a checkpoint not stored)"))
+        items.append(
+            (
+                "notice",
+                "notice (a note: the interval chosen, a checkpoint skipped...)",
+            )
+        )
     if any(
         lease.outcome is LeaseOutcome.EXPIRED
         and (lease.silent_since or lease.ended_at) != lease.ended_at
