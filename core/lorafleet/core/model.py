@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from lorafleet.core.spec import JobSpec
+from lorafleet.core.spec import JobShape, JobSpec
 
 
 class JobState(enum.StrEnum):
@@ -70,6 +70,39 @@ def shape_seconds_per_step(
     images = batch_size * max(gradient_accumulation_steps, 1)
     factor = _TEXT_ENCODER_FACTOR if train_text_encoder else 1.0
     return base * (resolution / 1024) ** 2 * images * factor
+
+
+# A step's time beside an SDXL step of the same pixels and images, per model family, and what
+# gradient checkpointing and a quantized frozen base add. Estimates, not lorafleet's own
+# measurements: FLUX.1-dev's QLoRA recipe (nf4, checkpointing, 1024 px) runs 3.5 s a step on an
+# RTX 4090 where SDXL runs 0.7 to 1 s, which is ~2.4x once checkpointing and nf4 are taken out;
+# FLUX.2 [klein] (4 B and 9 B transformers) is put between the two. Gradient checkpointing:
+# 0.51 s eager without it, 0.75 to 0.92 s with it, measured for SDXL on an H200.
+# Dequantizing an nf4 base costs about a third more. Each errs slow, as the base prior does
+# (a prior that is too fast lets a spend limit be overrun). Used only where the fleet has
+# measured nothing (priors) and to scale the plausibility floor; precision is left out (every
+# figure above is mixed precision, and the default fp32 jobs were priced at the base before).
+FAMILY_STEP_FACTOR: Mapping[str, float] = {"sdxl": 1.0, "flux": 2.5, "flux2": 2.0}
+GRADIENT_CHECKPOINTING_STEP_FACTOR = 1.8
+QUANTIZED_BASE_STEP_FACTOR: Mapping[str, float] = {"none": 1.0, "nf4": 1.35, "fp8": 1.0}
+
+
+def shape_prior_seconds(base: float, shape: JobShape) -> float:
+    """`base` seconds per 1024x1024 SDXL image step, scaled to a job shape (`JobSpec.shape`):
+    pixels, images per optimizer step and text-encoder training (`shape_seconds_per_step`),
+    then the family, gradient checkpointing and the base's quantization (the factors above).
+    The one rule for priors and plausibility floors."""
+    factor = FAMILY_STEP_FACTOR.get(shape.family, max(FAMILY_STEP_FACTOR.values()))
+    if shape.gradient_checkpointing:
+        factor *= GRADIENT_CHECKPOINTING_STEP_FACTOR
+    factor *= QUANTIZED_BASE_STEP_FACTOR.get(shape.quantization, 1.0)
+    return factor * shape_seconds_per_step(
+        base,
+        resolution=shape.resolution,
+        batch_size=shape.batch_size,
+        gradient_accumulation_steps=shape.accumulation,
+        train_text_encoder=shape.train_text_encoder,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -46,7 +46,7 @@ from lorafleet.core.model import (
     StoredImage,
     WarmState,
 )
-from lorafleet.core.spec import JobSpec
+from lorafleet.core.spec import JobShape, JobSpec
 
 
 def load_queries() -> dict[str, str]:
@@ -163,10 +163,7 @@ class KeySpending:
 class ShapeWork:
     """Steps still to run of a key's unfinished jobs of one shape."""
 
-    resolution: int
-    batch_size: int
-    gradient_accumulation_steps: int
-    train_text_encoder: bool
+    shape: JobShape
     steps: int
 
 
@@ -557,13 +554,7 @@ class Ledger:
 
     async def key_unfinished_work(self, key_id: str) -> list[ShapeWork]:
         return [
-            ShapeWork(
-                resolution=r["resolution"],
-                batch_size=r["batch_size"],
-                gradient_accumulation_steps=r["gradient_accumulation_steps"],
-                train_text_encoder=r["train_text_encoder"],
-                steps=r["steps"],
-            )
+            ShapeWork(shape=JobSpec.from_dict(r["spec"]).shape, steps=r["steps"])
             for r in await self._fetch("key_unfinished_work", key_id)
         ]
 
@@ -571,23 +562,14 @@ class Ledger:
         self,
         *,
         window_s: float,
-        resolution: int,
-        batch_size: int,
-        gradient_accumulation_steps: int,
-        train_text_encoder: bool,
+        shape_key: str,
         min_seconds_per_step: float,
         api_key_id: str | None = None,
     ) -> ShapePace:
-        """`api_key_id`: only that key's jobs (a tenant's own figure); None: every job."""
+        """The pace on jobs whose shape key (`JobSpec.shape.key`) is `shape_key`.
+        `api_key_id`: only that key's jobs (a tenant's own figure); None: every job."""
         row = await self._fetchrow(
-            "pace_for_shape",
-            window_s,
-            resolution,
-            batch_size,
-            gradient_accumulation_steps,
-            train_text_encoder,
-            min_seconds_per_step,
-            api_key_id or "",
+            "pace_for_shape", window_s, shape_key, min_seconds_per_step, api_key_id or ""
         )
         assert row is not None
         return ShapePace(machines=row["machines"], seconds_per_step=row["seconds_per_step"])

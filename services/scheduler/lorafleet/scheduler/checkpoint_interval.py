@@ -36,7 +36,7 @@ from typing import Generic, TypeVar
 
 from lorafleet.core.spec import JobSpec
 from lorafleet.ledger.ledger import Interruptions, Ledger
-from lorafleet.scheduler.paces import Pace, pace_shape
+from lorafleet.scheduler.paces import Pace
 
 # Distinct GPU classes and shapes remembered at once: the GPU class is the worker's word, so a
 # worker inventing names must not grow the scheduler's memory.
@@ -140,7 +140,8 @@ class CheckpointIntervals:
         self._settings = settings
         ttl_s = settings.figures_ttl_s
         self._interruptions: RecentFigures[str, Interruptions] = RecentFigures(ttl_s=ttl_s)
-        self._paces: RecentFigures[tuple[int, int, int, bool], Pace] = RecentFigures(ttl_s=ttl_s)
+        # Keyed by JobSpec.shape.key, as the pace figures themselves are.
+        self._paces: RecentFigures[str, Pace] = RecentFigures(ttl_s=ttl_s)
 
     async def choose(
         self, spec: JobSpec, *, gpu_model: str, reported_cost_s: float | None
@@ -155,7 +156,7 @@ class CheckpointIntervals:
             ),
         )
         mtbi_s = mean_time_between_interruptions(observed, s.interruption_prior_s)
-        pace = await self._paces.get(pace_shape(spec), lambda: self._pace(spec))
+        pace = await self._paces.get(spec.shape.key, lambda: self._pace(spec))
         cost_s = reported_cost_s if reported_cost_s else s.cost_prior_s
         return CheckpointInterval(
             steps=young_daly_steps(

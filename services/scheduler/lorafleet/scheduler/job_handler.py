@@ -23,14 +23,14 @@ from lorafleet.core.model import (
     JobEvent,
     JobState,
     SampleSettings,
-    shape_seconds_per_step,
+    shape_prior_seconds,
     upload_key,
 )
 from lorafleet.core.model_refs import check_model_ref_shape
-from lorafleet.core.spec import JobSpec, check_path, check_sample_settings
+from lorafleet.core.spec import JobShape, JobSpec, check_path, check_sample_settings
 from lorafleet.ledger.ledger import Ledger, NewJob, ShapePace, WebhookDeliveryRecord
 from lorafleet.scheduler.notifications import Notifications
-from lorafleet.scheduler.paces import Pace, pace_shape
+from lorafleet.scheduler.paces import Pace
 from lorafleet.scheduler.signing import Artifacts, UrlSigner
 from lorafleet.scheduler.storage import ObjectStore, SignedUrl
 from lorafleet.scheduler.webhooks import AddressPolicy
@@ -169,16 +169,10 @@ class JobHandler:
         return jobs
 
     async def pace(
-        self,
-        *,
-        resolution: int,
-        batch_size: int,
-        gradient_accumulation_steps: int,
-        train_text_encoder: bool,
-        api_key_id: str | None = None,
-        admission: bool = False,
+        self, shape: JobShape, *, api_key_id: str | None = None, admission: bool = False
     ) -> Pace:
-        """Seconds per step of a job shape, from verified completions only (the ledger's clock
+        """Seconds per step of a job shape (`JobSpec.shape`: the figures of jobs with the same
+        `shape.key`), from verified completions only (the ledger's clock
         from grant to a result the store verified, one figure per provider-verified machine,
         their median, at least `estimate_min_machines`): what a worker says of its own speed
         never prices anyone's job, and a completion faster than the plausibility floor
@@ -190,29 +184,16 @@ class JobHandler:
         machines of one holder, completing their own or anyone's jobs fast or slow, move
         another tenant's figure by at most 2x. For `admission` (spend limits) the fleet's figure
         is never above the prior either: another tenant's numbers never refuse a submit. With
-        no figure at all, the prior."""
-        prior = shape_seconds_per_step(
-            self._estimate_prior_s_per_step,
-            resolution=resolution,
-            batch_size=batch_size,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            train_text_encoder=train_text_encoder,
-        )
-        floor = shape_seconds_per_step(
-            self._min_plausible_s_per_step,
-            resolution=resolution,
-            batch_size=batch_size,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            train_text_encoder=train_text_encoder,
-        )
+        no figure at all, the prior. The prior and the floor are scaled to the shape by one rule
+        (`core.model.shape_prior_seconds`: pixels, images, text encoders, the model family,
+        gradient checkpointing, a quantized base)."""
+        prior = shape_prior_seconds(self._estimate_prior_s_per_step, shape)
+        floor = shape_prior_seconds(self._min_plausible_s_per_step, shape)
 
         async def measure(key: str | None) -> ShapePace:
             return await self._ledger.pace_for_shape(
                 window_s=self._estimate_window_s,
-                resolution=resolution,
-                batch_size=batch_size,
-                gradient_accumulation_steps=gradient_accumulation_steps,
-                train_text_encoder=train_text_encoder,
+                shape_key=shape.key,
                 min_seconds_per_step=floor,
                 api_key_id=key,
             )
@@ -236,16 +217,8 @@ class JobHandler:
     async def spec_pace(
         self, spec: JobSpec, *, api_key_id: str | None = None, admission: bool = False
     ) -> Pace:
-        """`pace` of the spec's shape (`pace_shape`)."""
-        resolution, batch_size, accumulation, train_text_encoder = pace_shape(spec)
-        return await self.pace(
-            resolution=resolution,
-            batch_size=batch_size,
-            gradient_accumulation_steps=accumulation,
-            train_text_encoder=train_text_encoder,
-            api_key_id=api_key_id,
-            admission=admission,
-        )
+        """`pace` of the spec's shape (`JobSpec.shape`)."""
+        return await self.pace(spec.shape, api_key_id=api_key_id, admission=admission)
 
     async def estimate(self, spec: JobSpec, *, api_key_id: str | None) -> Estimate:
         """max_train_steps x the measured pace on jobs of the same shape (the key's own, else
@@ -281,14 +254,7 @@ class JobHandler:
         pending_s = 0.0
         priced_by_prior = False
         for work in await self._ledger.key_unfinished_work(api_key_id):
-            pace = await self.pace(
-                resolution=work.resolution,
-                batch_size=work.batch_size,
-                gradient_accumulation_steps=work.gradient_accumulation_steps,
-                train_text_encoder=work.train_text_encoder,
-                api_key_id=api_key_id,
-                admission=True,
-            )
+            pace = await self.pace(work.shape, api_key_id=api_key_id, admission=True)
             pending_s += work.steps * pace.seconds_per_step
             priced_by_prior |= not pace.measured
         pending = pending_s * price / 3600

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lorafleet.core.spec import JobSpec
-
 
 @dataclass(frozen=True, kw_only=True)
 class Pace:
@@ -18,14 +16,3 @@ class Pace:
     seconds_per_step: float
     machines: int
     measured: bool
-
-
-def pace_shape(spec: JobSpec) -> tuple[int, int, int, bool]:
-    """What the pace of a spec's jobs depends on: resolution, batch size, gradient
-    accumulation steps, text-encoder training (`JobHandler.spec_pace`; a key for its figures)."""
-    return (
-        spec.resolution,
-        spec.train_batch_size,
-        spec.gradient_accumulation_steps,
-        spec.train_text_encoder,
-    )

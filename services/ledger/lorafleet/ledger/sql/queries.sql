@@ -17,27 +17,26 @@ FROM api_keys k WHERE k.key_id = $1;
 
 -- name: key_unfinished_work
 -- The steps still to run of a key's queued and running jobs, by job shape (what its spend limit
--- counts besides the GPU-seconds already billed).
-SELECT (spec ->> 'resolution')::int AS resolution,
-       (spec ->> 'train_batch_size')::int AS batch_size,
-       coalesce((spec ->> 'gradient_accumulation_steps')::int, 1) AS gradient_accumulation_steps,
-       (spec ->> 'train_text_encoder')::boolean AS train_text_encoder,
+-- counts besides the GPU-seconds already billed): per shape key (JobSpec.shape.key, 0020), one
+-- of its specs, from which the shape is read again. A job without a key yet (submitted by an
+-- older replica) is a shape of its own.
+SELECT (array_agg(spec))[1] AS spec,
        sum(greatest(max_train_steps - progress_step, 0))::bigint AS steps
 FROM jobs
 WHERE api_key_id = $1 AND state IN ('QUEUED', 'RUNNING')
-GROUP BY 1, 2, 3, 4
+GROUP BY coalesce(shape_key, job_id::text)
 LIMIT 1000;
 
 -- name: pace_for_shape
--- The fleet's pace on jobs of one shape ($2 resolution, $3 batch size, $4 gradient accumulation,
--- $5 text-encoder training), from verified completions only: leases that ended in the last $1 s
+-- The fleet's pace on jobs of one shape ($2 its key: JobSpec.shape.key, stored at submit as
+-- jobs.shape_key), from verified completions only: leases that ended in the last $1 s
 -- with a result the store verified, each as the ledger's own clock from grant to end over the
 -- steps the lease had to run (max_train_steps less the checkpoint it resumed from: nothing a
 -- worker said). Only machines a provider vouched for count, each once (the median of its
 -- leases), so that one machine moves the figure no more than any other; then the median over
--- machines, and how many machines it rests on. A completion faster than $6 s/step (the
+-- machines, and how many machines it rests on. A completion faster than $3 s/step (the
 -- plausibility floor for the shape) is no training (a garbage result stored fast): left out.
--- $7: only jobs submitted with this API key (a tenant's own figure, JobHandler.pace); '' all.
+-- $4: only jobs submitted with this API key (a tenant's own figure, JobHandler.pace); '' all.
 WITH done AS (
     SELECT l.machine_id,
            extract(epoch FROM l.ended_at - l.granted_at)::float8
@@ -51,15 +50,12 @@ WITH done AS (
         LIMIT 1
     ) g ON true
     WHERE l.end_reason = 'succeeded' AND l.ended_at > now() - make_interval(secs => $1)
-      AND (j.spec ->> 'resolution')::int = $2
-      AND (j.spec ->> 'train_batch_size')::int = $3
-      AND coalesce((j.spec ->> 'gradient_accumulation_steps')::int, 1) = $4
-      AND (j.spec ->> 'train_text_encoder')::boolean = $5
-      AND ($7::text = '' OR j.api_key_id = $7::text)
+      AND j.shape_key = $2
+      AND ($4::text = '' OR j.api_key_id = $4::text)
 ), per_machine AS (
     SELECT machine_id,
            percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds_per_step) AS seconds_per_step
-    FROM done WHERE seconds_per_step > 0 AND seconds_per_step >= $6::float8
+    FROM done WHERE seconds_per_step > 0 AND seconds_per_step >= $3::float8
     GROUP BY machine_id
 )
 SELECT count(*) AS machines,
