@@ -68,3 +68,20 @@ def test_a_terminal_gets_readable_lines_and_a_pipe_json() -> None:
         os.close(leader)
         os.close(follower)
     assert "hello" in on_tty and "job_id" in on_tty and not on_tty.lstrip().startswith("{")
+
+
+def test_the_console_format_has_no_colour_codes_off_a_terminal() -> None:
+    """The demo's progress output (stderr to a file or a pipe) once carried a raw ANSI-coloured
+    warning line: colours are for a terminal only."""
+    script = (
+        "import structlog\n"
+        "from lorafleet.core.telemetry import configure_logging\n"
+        "configure_logging(level='WARNING', fmt='console')\n"
+        "structlog.get_logger().warning('disk nearly full', free_mb=10)\n"
+    )
+    piped = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    line = piped.stderr.strip().splitlines()[-1]
+    assert "disk nearly full" in line and "free_mb=10" in line, line
+    assert "\x1b[" not in piped.stderr, repr(piped.stderr)

@@ -57,8 +57,12 @@ def configure_logging(*, level: str | None = None, fmt: str | None = None) -> No
         or os.environ.get("LORAFLEET_LOG_FORMAT")
         or ("console" if sys.stderr.isatty() else "json")
     )
+    # Colours only on a terminal: the console format also goes to files and pipes (the demo's
+    # output, a worker's log under `lorafleet up`), where escape codes are noise.
     renderer: structlog.types.Processor = (
-        structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        if fmt == "console"
+        else structlog.processors.JSONRenderer()
     )
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
