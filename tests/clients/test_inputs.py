@@ -80,7 +80,7 @@ async def test_a_text_file_named_png_is_refused_at_submit_naming_it(
     )
     line = _one_line_error(code, err)
     assert "broken.png" in line and "not a readable image" in line
-    # What a user can act on, not PIL's view of an in-memory buffer (issue 32, item 4).
+    # What a user can act on, not PIL's view of an in-memory buffer.
     assert "_io." not in line and "BytesIO" not in line and "0x" not in line, line
     assert "not in any image format" in line, line
     assert await _uploaded(fleet) == []
@@ -93,7 +93,7 @@ async def test_a_file_that_is_not_an_image_is_skipped_and_named(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A `notes.pdf` beside the photos is left out, and the CLI says so on stderr (stdout
-    stays the --json output): nothing is dropped in silence (issue 32, item 3)."""
+    stays the --json output): nothing is dropped in silence."""
     photos = _folder(tmp_path / "rex")
     (photos / "notes.pdf").write_bytes(b"%PDF-1.4 not photos")
     (photos / ".DS_Store").write_bytes(b"finder")

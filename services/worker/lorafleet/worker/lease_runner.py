@@ -505,7 +505,8 @@ class LeaseRunner:
             if state.quiet_s < stall_s:
                 await self._notice(
                     f"preparing: {describe_phase(state.phase)} for {state.phase_s:.0f} s"
-                    " (no training step yet)"
+                    " (no training step yet)",
+                    progress=True,
                 )
 
     async def _training_stopped(self) -> None:
@@ -542,7 +543,7 @@ class LeaseRunner:
         changed = self._auto_interval.observe(step, seconds_per_step)
         if changed is not None:
             self._to_loop(
-                self._send_notice,
+                self._send_progress_notice,
                 f"checkpointing every {changed} steps from step {step} (auto): this node's own"
                 f" pace is {seconds_per_step:.3g} s/step, the grant's interval assumed"
                 f" {assumed:.3g} s/step",
@@ -588,12 +589,15 @@ class LeaseRunner:
         self._setup.sign()
         self._to_loop(self._send_notice, message)
 
-    def _send_notice(self, message: str) -> None:
+    def _send_notice(self, message: str, *, progress: bool = False) -> None:
         async def send() -> bool:
-            await self._notice(message)
+            await self._notice(message, progress=progress)
             return True
 
         self._uploads.spawn(send())
+
+    def _send_progress_notice(self, message: str) -> None:
+        self._send_notice(message, progress=True)
 
     # Uploads (event loop) -------------------------------------------------------------------------
 
@@ -609,9 +613,15 @@ class LeaseRunner:
             raise LeaseLost("the lease was revoked")
         await self._link.send(message)
 
-    async def _notice(self, message: str) -> None:
-        self._log.warning("notice", message=message)
-        self.notices.append(message)
+    async def _notice(self, message: str, *, progress: bool = False) -> None:
+        """A notice on the job's timeline. `progress`: an informational one (what the lease is
+        doing, the interval it follows), logged at info and kept out of `notices`, which lists
+        what went wrong or was skipped."""
+        if progress:
+            self._log.info("notice", message=message)
+        else:
+            self._log.warning("notice", message=message)
+            self.notices.append(message)
         await self._send(fpb.ConnectRequest(notice=fpb.Notice(lease=self.ref, message=message)))
 
     # Endings --------------------------------------------------------------------------------------
