@@ -68,7 +68,6 @@ from typing import Any
 
 import grpc
 import structlog
-from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
 from lorafleet.core import __version__
 from lorafleet.core.errors import LorafleetError
@@ -532,15 +531,18 @@ class Agent(AsyncLifecycle):
             ("grpc.http2.max_pings_without_data", 0),
         ]
         address = self.config.scheduler_address
-        # A client span per stream; its trace context goes to the scheduler's server span.
-        interceptors = aio_client_interceptors()
+        # No client interceptor (the OpenTelemetry one) on this channel: an intercepted
+        # stream-stream call feeds its writes through an async generator consumed by a task of
+        # gRPC's own, which a dropped stream leaves pending; it was destroyed at the next garbage
+        # collection with "Task was destroyed but it is pending!" and "aclose(): asynchronous
+        # generator is already running", an ERROR pair per reconnect. The scheduler traces no
+        # worker stream either; a lease's spans join its job's trace through the grant's
+        # traceparent (lease_runner.py).
         if self.config.tls:
             ca = self.config.tls_ca_file.read_bytes() if self.config.tls_ca_file else None
             credentials = grpc.ssl_channel_credentials(root_certificates=ca)
-            return grpc.aio.secure_channel(
-                address, credentials, options=options, interceptors=interceptors
-            )
-        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+            return grpc.aio.secure_channel(address, credentials, options=options)
+        return grpc.aio.insecure_channel(address, options=options)
 
     def _hello(self) -> fpb.Hello:
         qualification = self.qualification
@@ -776,7 +778,11 @@ class Agent(AsyncLifecycle):
             runner.terminal_confirmed = True  # settled here, not again when its task ends
         if terminal is not None and same_lease(terminal.ref, resumed.lease_id, resumed.epoch):
             # The job is still RUNNING under our lease: the result never arrived. Say it again.
-            self._log.info("re-sending the lease's final message after reconnecting")
+            self._log.info(
+                "re-sending the lease's final message after reconnecting",
+                lease_id=terminal.ref.lease_id,
+                epoch=terminal.ref.epoch,
+            )
             session.send(terminal.message)
         if self._state is not State.DRAINING:
             self._enter_idle()
@@ -791,7 +797,12 @@ class Agent(AsyncLifecycle):
             )
             return
         if self._state is not State.IDLE or self._runner is not None:
-            self._log.error("lease granted while busy; it will expire", job_id=grant.lease.job_id)
+            self._log.error(
+                "lease granted while busy; it will expire",
+                job_id=grant.lease.job_id,
+                lease_id=grant.lease.lease_id,
+                epoch=grant.lease.epoch,
+            )
             return
         self._terminal = None
         # Kept for a reconnect (Hello.held_lease_secret); only the newest few can be held.
@@ -919,7 +930,12 @@ class Agent(AsyncLifecycle):
                     async with asyncio.timeout_at(deadline - reserve):
                         await asyncio.shield(task)
                 except TimeoutError:
-                    self._log.warning("drain checkpoint not done within the grace period")
+                    self._log.warning(
+                        "drain checkpoint not done within the grace period",
+                        job_id=runner.job_id,
+                        lease_id=runner.ref.lease_id,
+                        epoch=runner.ref.epoch,
+                    )
                     runner.abort("drain grace period over")
             async with asyncio.timeout_at(deadline):
                 await self._say_draining(runner, reason)
