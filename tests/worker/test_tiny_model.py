@@ -303,8 +303,8 @@ def test_flux2_architecture_is_consistent(flux2_pipeline: Any) -> None:
     assert transformer.in_channels == 4 * vae.config.latent_channels
     assert transformer.joint_attention_dim == 3 * qwen.hidden_size
     assert sum(transformer.axes_dims_rope) == transformer.attention_head_dim
-    # hidden_states[27] must be a raw layer output, as in the 36-layer Qwen3s.
-    assert qwen.num_hidden_layers > 27
+    # As deep as Qwen3-4B and -8B: hidden_states[27] is a raw layer output, and layer 30 exists.
+    assert qwen.num_hidden_layers == 36
     assert vae.bn.num_features == transformer.in_channels
     # Drawn running statistics: the latent normalisation is not an identity.
     assert not torch.allclose(vae.bn.running_var, torch.ones_like(vae.bn.running_var))
@@ -366,6 +366,12 @@ def test_flux2_encode_prompt_reads_qwen3_layers_9_18_27(flux2_pipeline: Any) -> 
     for slot, layer in enumerate((9, 18, 27)):
         assert torch.equal(embeds[..., slot * width : (slot + 1) * width], hidden[layer])
     assert not torch.allclose(hidden[27], hidden[-1])
+    # FLUX.2 [dev]'s layers (the default of diffusers' klein trainer) run, and differ.
+    with torch.no_grad():
+        dev_layers, _ = flux2_pipeline.encode_prompt(
+            "a photo of sks dog", text_encoder_out_layers=(10, 20, 30)
+        )
+    assert dev_layers.shape == embeds.shape and not torch.allclose(dev_layers, embeds)
 
 
 @pytest.mark.filterwarnings(SAMPLING_WARNING)

@@ -10,9 +10,10 @@ scheduler config.
 Presets:
 
 * `"tiny"`: 4 latent channels (the transformer's input is 4 x 2 x 2 = 16 wide, as klein's 128 is
-  32 x 2 x 2) and a 16-wide Qwen3 of 28 layers: the pipeline reads layer 27, and only with a
-  layer after it is `hidden_states[27]` a raw layer output, as in the real 36-layer encoders,
-  rather than transformers' final-normed last entry.
+  32 x 2 x 2) and a 16-wide Qwen3 as deep as the real ones, 36 layers: `hidden_states[27]` is
+  then a raw layer output as in Qwen3-4B (with 27 layers it would be transformers' final-normed
+  last entry), and a trainer reading other layers (diffusers' klein script defaults to 10, 20,
+  30) runs and differs instead of failing on a missing layer.
 * `"klein-4b"`, `"klein-9b"`: the full-size FLUX.2 [klein] 4B and 9B shapes (the transformer,
   Qwen3-4B or Qwen3-8B, the 32-channel FLUX.2 VAE) with random weights, for GPU measurements.
 
@@ -91,7 +92,7 @@ PRESETS: dict[Flux2Preset, Flux2Shape] = {
         axes_dims_rope=(4, 4, 4, 4),  # (time, height, width, sequence), as klein's (32,)*4
         qwen_hidden_size=16,
         qwen_intermediate_size=32,
-        qwen_layers=28,
+        qwen_layers=36,
         qwen_heads=2,
         qwen_kv_heads=1,  # grouped-query attention, as Qwen3's 32/8
         qwen_head_dim=8,
