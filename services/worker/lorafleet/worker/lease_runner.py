@@ -57,7 +57,7 @@ from lorafleet.worker.lease import (
     training_config_for,
 )
 from lorafleet.worker.lease_inputs import LeaseInputs
-from lorafleet.worker.setup_watch import SetupStalled, SetupWatch, describe_phase
+from lorafleet.worker.setup_watch import SetupWatch
 from lorafleet.worker.training import (
     CorruptCheckpoint,
     Finished,
@@ -458,7 +458,13 @@ class LeaseRunner:
                 )
             )
             self._running_training = running
-            watching = asyncio.ensure_future(self._watch_setup())
+            watching = asyncio.ensure_future(
+                self._setup.watch(
+                    notice=lambda message: self._notice(message, progress=True),
+                    notice_interval_s=self._config.setup_notice_interval_s,
+                    stall_timeout_s=self._config.setup_stall_timeout_s,
+                )
+            )
             try:
                 # Neither is cancelled by a cancel of this task (asyncio.wait does not).
                 either: list[asyncio.Future[Any]] = [running, watching]
@@ -480,34 +486,6 @@ class LeaseRunner:
             finally:
                 watching.cancel()
                 await asyncio.gather(watching, return_exceptions=True)
-
-    async def _watch_setup(self) -> None:
-        """Until the run's first step: a notice every `setup_notice_interval_s` saying what it
-        is doing (the timeline of a job whose node is still downloading the model is never
-        silent), and `SetupStalled` once it showed no progress for `setup_stall_timeout_s`."""
-        interval = self._config.setup_notice_interval_s
-        stall_s = self._config.setup_stall_timeout_s
-        while True:
-            state = self._setup.state()
-            if state.stepped:
-                return
-            if state.quiet_s >= stall_s:
-                raise SetupStalled(
-                    f"no progress for {state.quiet_s:.0f} s while {describe_phase(state.phase)}"
-                    f" (setup_stall_timeout_s {stall_s:g}); this machine could not prepare the"
-                    " run, e.g. no network to the model's hub"
-                )
-            # Wakes for the next notice, or when the stall bound would be reached.
-            await asyncio.sleep(min(interval, stall_s - state.quiet_s))
-            state = self._setup.state()
-            if state.stepped:
-                return
-            if state.quiet_s < stall_s:
-                await self._notice(
-                    f"preparing: {describe_phase(state.phase)} for {state.phase_s:.0f} s"
-                    " (no training step yet)",
-                    progress=True,
-                )
 
     async def _training_stopped(self) -> None:
         """Waits until this lease's run has left the training thread. Not shielded: if the

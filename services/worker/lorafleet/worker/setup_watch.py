@@ -12,9 +12,10 @@ it showed no progress for `setup_stall_timeout_s`.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from lorafleet.core.model import FailureClass
@@ -90,3 +91,34 @@ class SetupWatch:
                 quiet_s=now - self._last_sign,
                 stepped=self._stepped,
             )
+
+    async def watch(
+        self,
+        *,
+        notice: Callable[[str], Awaitable[None]],
+        notice_interval_s: float,
+        stall_timeout_s: float,
+    ) -> None:
+        """Until the run's first step (event loop): `notice` every `notice_interval_s` saying
+        what it is doing (the timeline of a job whose node is still downloading the model is
+        never silent), and `SetupStalled` once it showed no progress for `stall_timeout_s`."""
+        while True:
+            state = self.state()
+            if state.stepped:
+                return
+            if state.quiet_s >= stall_timeout_s:
+                raise SetupStalled(
+                    f"no progress for {state.quiet_s:.0f} s while {describe_phase(state.phase)}"
+                    f" (setup_stall_timeout_s {stall_timeout_s:g}); this machine could not"
+                    " prepare the run, e.g. no network to the model's hub"
+                )
+            # Wakes for the next notice, or when the stall bound would be reached.
+            await asyncio.sleep(min(notice_interval_s, stall_timeout_s - state.quiet_s))
+            state = self.state()
+            if state.stepped:
+                return
+            if state.quiet_s < stall_timeout_s:
+                await notice(
+                    f"preparing: {describe_phase(state.phase)} for {state.phase_s:.0f} s"
+                    " (no training step yet)"
+                )
