@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lorafleet.core.model import FailureClass
-from lorafleet.worker.training import loop
+from lorafleet.worker.training.families import sdxl
 from lorafleet.worker.training.failures import TrainingFailure
 from lorafleet.worker.training.objective import dreambooth_loss
 from tests.support.training import Recorder, TrainFn, tiny_spec
@@ -26,7 +26,7 @@ def test_a_nan_loss_stops_the_run_before_any_checkpoint_holds_it(
         value = real(*args, **kwargs)
         return value * float("nan") if calls >= 3 else value
 
-    monkeypatch.setattr(loop, "dreambooth_loss", nan_from_the_third_step)
+    monkeypatch.setattr(sdxl, "dreambooth_loss", nan_from_the_third_step)
     recorder = Recorder()
     with pytest.raises(TrainingFailure) as stopped:
         train(tiny_spec(max_train_steps=6, checkpointing_steps=2), recorder=recorder)
