@@ -243,8 +243,8 @@ class NodeRecord:
 @dataclass(frozen=True, kw_only=True)
 class Interruptions:
     """Leases of one node class ended by expiry or drain over a window, and the lease-seconds
-    held (provider-verified machines only). `interruptions` is counted per machine with caps
-    (queries.sql, interruptions_for_gpu), so it may be fractional."""
+    held (provider-verified machines only). `interruptions` counts at most one per machine
+    (queries.sql, interruptions_for_gpu)."""
 
     interruptions: float
     lease_seconds: float
@@ -574,12 +574,8 @@ class Ledger:
         assert row is not None
         return ShapePace(machines=row["machines"], seconds_per_step=row["seconds_per_step"])
 
-    async def interruptions_for_gpu(
-        self, gpu_model: str, *, window_s: float, machine_cap_s: float = 3600.0
-    ) -> Interruptions:
-        """`machine_cap_s`: a machine counts at most one interruption plus one per this many
-        seconds of its own leases."""
-        row = await self._fetchrow("interruptions_for_gpu", window_s, gpu_model, machine_cap_s)
+    async def interruptions_for_gpu(self, gpu_model: str, *, window_s: float) -> Interruptions:
+        row = await self._fetchrow("interruptions_for_gpu", window_s, gpu_model)
         assert row is not None
         return Interruptions(interruptions=row["interruptions"], lease_seconds=row["lease_seconds"])
 

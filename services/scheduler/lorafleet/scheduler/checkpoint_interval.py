@@ -10,10 +10,9 @@ mean time between interruptions. Here:
 * M: the ledger's, for the node class (`gpu_model`): leases ended by expiry or drain per
   lease-second held over `interruption_window_s`, provider-verified machines only, smoothed
   by a prior of one interruption per `interruption_prior_s` (`mean_time_between_interruptions`):
-  the prior with no data, the fleet's own figure once it has many hours. Counted per machine
-  with caps (at most one plus one per `interruption_machine_cap_s` of its own lease time, and
-  at most 1.25 x the others' count plus one): one machine that drains and reconnects in a loop
-  moves every other machine's interval by at most 1.5x (sqrt of 2.25).
+  the prior with no data, the fleet's own figure once it has many hours. Each machine counts at
+  most one interruption in the window: one machine that drains and reconnects in a loop moves
+  every other machine's interval by at most sqrt(2), about 1.41x.
 * Steps: the interval over the fleet's pace on the job's shape (`JobHandler.spec_pace`: verified
   completions, else the prior), bounded to `checkpoint_min_steps`..max_train_steps.
 
@@ -74,7 +73,6 @@ class CheckpointIntervalSettings:
     cost_prior_s: float = 20.0
     interruption_prior_s: float = 4 * 3600.0
     interruption_window_s: float = 7 * 86400.0
-    interruption_machine_cap_s: float = 3600.0
     min_steps: int = 10
     figures_ttl_s: float = 30.0
 
@@ -149,11 +147,7 @@ class CheckpointIntervals:
         s = self._settings
         observed = await self._interruptions.get(
             gpu_model,
-            lambda: self._ledger.interruptions_for_gpu(
-                gpu_model,
-                window_s=s.interruption_window_s,
-                machine_cap_s=s.interruption_machine_cap_s,
-            ),
+            lambda: self._ledger.interruptions_for_gpu(gpu_model, window_s=s.interruption_window_s),
         )
         mtbi_s = mean_time_between_interruptions(observed, s.interruption_prior_s)
         pace = await self._paces.get(spec.shape.key, lambda: self._pace(spec))

@@ -207,14 +207,6 @@ class SchedulerConfig(ServiceSettings):
         le=365 * 86400.0,
         description="how far back the ledger's interruptions and lease-hours per GPU class count",
     )
-    interruption_machine_cap_s: float = Field(
-        3600.0,
-        gt=0,
-        le=365 * 86400.0,
-        description="a machine counts at most one interruption plus one per this many seconds of"
-        " its own lease time (and at most 1.25 x the rest of its GPU class's count plus one): one"
-        " machine draining in a loop moves other machines' intervals by at most 1.5x",
-    )
     checkpoint_min_steps: int = Field(
         10,
         ge=1,

@@ -259,7 +259,6 @@ class Scheduler(AsyncLifecycle):
                     cost_prior_s=cfg.checkpoint_cost_prior_s,
                     interruption_prior_s=cfg.interruption_prior_s,
                     interruption_window_s=cfg.interruption_window_s,
-                    interruption_machine_cap_s=cfg.interruption_machine_cap_s,
                     min_steps=cfg.checkpoint_min_steps,
                     figures_ttl_s=cfg.interruption_figures_ttl_s,
                 ),

@@ -67,29 +67,24 @@ FROM per_machine;
 -- How often leases on one node class ($2 gpu_model) were interrupted over the last $1 s:
 -- leases ended by expiry (the scheduler's own clock) or drain (a preemption notice, a SIGTERM),
 -- against the seconds leases were held (running ones so far). Machines a provider vouched for
--- only: a self-declared machine moves no one's checkpoint interval. Counted per machine, with
--- two caps, so that one machine's drains (a Ready, drain, reconnect loop) cannot shorten every
--- other machine's interval: a machine counts at most one interruption plus one per $3 s of its
--- own lease time, and at most 1.25 x (the others' count + 1), which keeps the class's mean time
--- between interruptions within 2.25x, its interval within 1.5x, of what it is without it.
+-- only: a self-declared machine moves no one's checkpoint interval. Each machine counts at most
+-- one interruption in the window, whatever it did: one machine draining and reconnecting in a
+-- loop moves the class's mean time between interruptions by at most 2x, its interval by
+-- sqrt(2), and never another machine's count. On SaladCloud and spot VMs an interruption
+-- usually ends a machine's life (the next instance has a new id), so little is lost.
 WITH per_machine AS (
-    SELECT least(count(*) FILTER (WHERE l.end_reason IN ('expired', 'drained')),
-                 1 + sum(extract(epoch FROM coalesce(l.ended_at, now()) - l.granted_at))
-                     / $3::float8)::float8 AS capped,
+    SELECT least(count(*) FILTER (WHERE l.end_reason IN ('expired', 'drained')), 1)::float8
+               AS interruptions,
            coalesce(sum(extract(epoch FROM coalesce(l.ended_at, now()) - l.granted_at)), 0)::float8
                AS lease_seconds
     FROM leases l JOIN machines m ON m.machine_id = l.machine_id
     WHERE m.gpu_model = $2 AND m.identity_provider <> ''
       AND l.granted_at > now() - make_interval(secs => $1)
     GROUP BY l.machine_id
-), shared AS (
-    SELECT least(capped, 1.25 * (sum(capped) OVER () - capped + 1)) AS interruptions,
-           lease_seconds
-    FROM per_machine
 )
 SELECT coalesce(sum(interruptions), 0)::float8 AS interruptions,
        coalesce(sum(lease_seconds), 0)::float8 AS lease_seconds
-FROM shared;
+FROM per_machine;
 
 -- name: get_api_key
 SELECT key_id, owner, secret_sha256 FROM api_keys WHERE key_id = $1 AND revoked_at IS NULL;
