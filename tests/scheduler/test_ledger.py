@@ -150,6 +150,41 @@ async def in_good_standing(database_url: str, *machines: str) -> None:
         await conn.close()
 
 
+async def test_an_internal_error_stops_counting_once_its_machine_goes_bad(
+    ledger: Ledger, database_url: str
+) -> None:
+    """A job's budget is recounted at each failure over the machines still in good standing: an
+    internal error from a machine that has had a node fault since (no verified result after it)
+    no longer counts, so a machine that goes bad cannot leave its errors on other jobs' budgets.
+    Claims name a large node: these tests are about failures, not memory."""
+    job = (await ledger.insert_jobs("alice", [new_job(max_failures=2)]))[0]
+    await in_good_standing(database_url, "a", "b", "c")
+    granted = await ledger.claim_job("a", 10**7, TTL_S, secret_sha256=SECRET)
+    assert granted is not None and granted.job_id == job.job_id
+    after = await ledger.fail_attempt(_lease(granted), granted.epoch, FailureClass.INTERNAL, "x")
+    assert after is not None and (after.state, after.failures) == (JobState.QUEUED, 1)
+    # Machine a has a node fault elsewhere, with no verified result since: out of good standing.
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(
+            "INSERT INTO leases (lease_id, job_id, epoch, machine_id, granted_at, ended_at,"
+            " end_reason) SELECT gen_random_uuid(), job_id, 99, 'a', now(), now(),"
+            " 'failed: node' FROM jobs WHERE owner = 'earlier' LIMIT 1"
+        )
+    finally:
+        await conn.close()
+    granted = await ledger.claim_job("b", 10**7, TTL_S, secret_sha256=SECRET)
+    assert granted is not None and granted.job_id == job.job_id
+    after = await ledger.fail_attempt(_lease(granted), granted.epoch, FailureClass.INTERNAL, "x")
+    # b's error counts, a's no longer: one failure, not two (which would have failed the job).
+    assert after is not None and (after.state, after.failures) == (JobState.QUEUED, 1)
+    granted = await ledger.claim_job("c", 10**7, TTL_S, secret_sha256=SECRET)
+    assert granted is not None
+    after = await ledger.fail_attempt(_lease(granted), granted.epoch, FailureClass.INTERNAL, "x")
+    assert after is not None and (after.state, after.failures) == (JobState.FAILED, 2)
+    assert after.failure_class is FailureClass.INTERNAL
+
+
 async def test_max_failures_and_input_fault(ledger: Ledger, database_url: str) -> None:
     job = (await ledger.insert_jobs("alice", [new_job(max_failures=2)]))[0]
     await in_good_standing(database_url, "a", "b")
