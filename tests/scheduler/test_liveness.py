@@ -22,6 +22,7 @@ import pytest
 
 from lorafleet.core.model import upload_key
 from lorafleet.core.settings import load
+from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 from lorafleet.ledger.ledger import Ledger
@@ -32,7 +33,7 @@ from lorafleet.worker.config import WorkerConfig
 from lorafleet.worker.qualify import QualificationResult
 from lorafleet.worker.simulated import simulated_trainer_factory
 from lorafleet.worker.transfer import TransferConfig
-from tests.support.fleet import running
+from tests.support.fleet import Fleet, running
 from tests.support.images import png
 from tests.support.jobs import PREFIX, JobClient
 from tests.support.replicas import (
@@ -43,14 +44,13 @@ from tests.support.replicas import (
     scheduler_process,
     shared_data_dir,
 )
+from tests.support.workers import connect_worker
 
 TOKEN = "liveness-test-token"
 TTL_S = 12.0
 SILENCE_S = 3.0
 # Long jobs, no checkpoint while the test looks: the simulated trainer paces 20 steps a second.
 LONG_JOB = dict(max_train_steps=50_000, checkpointing_steps=25_000)
-
-pytestmark = pytest.mark.slow
 
 
 def worker_config(machine_id: str, address: str, data_dir: Path, **overrides: Any) -> WorkerConfig:
@@ -126,6 +126,7 @@ async def job_events(database_url: str, job_id: str) -> list[tuple[str, int | No
     return [(str(r["kind"]), r["epoch"]) for r in rows]
 
 
+@pytest.mark.slow
 async def test_a_frozen_replica_is_left_within_the_bound_and_no_lease_expires(
     database_url: str,
     tmp_path: Path,
@@ -204,6 +205,7 @@ async def lease_of(database_url: str, job_id: str) -> tuple[str, str | None, int
     return str(row["state"]), row["lease_id"], int(row["epoch"])
 
 
+@pytest.mark.slow
 async def test_a_restart_longer_than_the_silence_it_may_lapse_in_keeps_the_lease(
     database_url: str, tmp_path: Path, cpu_qualification: QualificationResult
 ) -> None:
@@ -269,6 +271,7 @@ async def test_a_restart_longer_than_the_silence_it_may_lapse_in_keeps_the_lease
         await balancer.close()
 
 
+@pytest.mark.slow
 async def test_a_postgres_outage_longer_than_the_ttl_costs_no_lease(
     database_url: str, tmp_path: Path, cpu_qualification: QualificationResult
 ) -> None:
@@ -332,6 +335,7 @@ async def test_a_postgres_outage_longer_than_the_ttl_costs_no_lease(
         await gate.close()
 
 
+@pytest.mark.slow
 async def test_a_rolling_restart_is_a_routine_reconnect(
     database_url: str,
     tmp_path: Path,
@@ -379,3 +383,14 @@ async def test_a_rolling_restart_is_a_routine_reconnect(
     assert len(reconnects) == 1, reconnects
     assert "[info" in reconnects[0] and f"lease_id={lease_id}" in reconnects[0], reconnects
     assert not [line for line in lines if "[error" in line], lines
+
+
+async def test_the_scheduler_answers_a_ping_with_its_nonce(fleet: Fleet) -> None:
+    """The worker's liveness check rests on this: Welcome says pings are answered, and each
+    Ping comes back as a Pong with the same nonce, in the stream's order."""
+    async with connect_worker(fleet.channel, fleet.token, "pinger") as worker:
+        assert worker.welcome is not None and worker.welcome.answers_ping
+        for nonce in (1, 2**63 + 5):
+            await worker.send(ping=fpb.Ping(nonce=nonce))
+            pong = await worker.expect("pong")
+            assert pong.nonce == nonce
