@@ -374,7 +374,9 @@ class JobSpec:
     )
     max_failures: int = spec_field(
         default=3,
-        help="node and internal failures tolerated before the job fails, 1..100",
+        help="failures the job is blamed for (input faults a second machine confirms, internal"
+        " errors from machines in good standing) tolerated before it fails, 1..100; node faults"
+        " count apart, up to max(10, 3 x this)",
         trains=False,
         low=1,
         high=100,

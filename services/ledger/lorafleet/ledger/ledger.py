@@ -268,9 +268,9 @@ class PaceRecord:
     completed_seconds: float | None
     reported_seconds_per_step: float | None
     reported_steps: int
-    resolution: int
-    batch_size: int
-    train_text_encoder: bool
+    # The job's shape (JobSpec.shape) and whether the holder said its step ran compiled.
+    shape: JobShape
+    step_compiled: bool | None
     gpu_class: str
     # Who vouched for the machine's id ("": nobody; its reports touch no one else).
     identity_provider: str
@@ -1204,6 +1204,12 @@ class Ledger:
         ]
 
     async def pace_observations(self, window_s: float, limit: int) -> list[PaceRecord]:
+        rows = await self._fetch("pace_observations", window_s, limit)
+        # One spec read per distinct shape key, not per lease (a tick reads thousands).
+        shapes: dict[str, JobShape] = {}
+        for r in rows:
+            if r["shape_key"] not in shapes:
+                shapes[r["shape_key"]] = JobSpec.from_dict(r["spec"]).shape
         return [
             PaceRecord(
                 machine_id=r["machine_id"],
@@ -1216,13 +1222,12 @@ class Ledger:
                 completed_seconds=r["completed_seconds"],
                 reported_seconds_per_step=r["reported_seconds_per_step"],
                 reported_steps=r["reported_steps"],
-                resolution=r["resolution"],
-                batch_size=r["batch_size"],
-                train_text_encoder=r["train_text_encoder"],
+                shape=shapes[r["shape_key"]],
+                step_compiled=r["step_compiled"],
                 gpu_class=r["gpu_class"],
                 identity_provider=r["identity_provider"],
             )
-            for r in await self._fetch("pace_observations", window_s, limit)
+            for r in rows
         ]
 
     async def pace_references(self) -> list[PaceReference]:

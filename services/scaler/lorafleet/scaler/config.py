@@ -166,6 +166,14 @@ class ScalerSettings(ServiceSettings):
         ge=0,
         description="a slow node must also be this share past its class's reference pace",
     )
+    slow_eager_allowance: float = Field(
+        2.5,
+        ge=1,
+        le=100,
+        description="a node that does not say its step runs compiled (a fresh node runs eager:"
+        " 2 to 2.5x a warm compiled step on an H200) is held to this many times the slow-node"
+        " limits; its own word, so it can only spare itself",
+    )
     reallocate_share: float = Field(
         0.1, ge=0, le=1, description="most reallocations per window, as a share of the fleet"
     )

@@ -979,11 +979,12 @@ LIMIT $3;
 -- the ledger's clock between their commits (NULL with fewer than two); for a lease that ended
 -- with a verified result, the steps it had to run (max_train_steps less the checkpoint it
 -- resumed from) and the ledger's clock from grant to end; beside them what the holder said of
--- its own pace (believed only against itself), whether the lease is live, the job's shape, the
--- machine's GPU and who vouched for its id ('': nobody).
+-- its own pace (believed only against itself), whether the lease is live, the job's shape (its
+-- key, or the job's id for a job without one, and its spec), whether the holder said its step
+-- ran compiled, the machine's GPU and who vouched for its id ('': nobody).
 WITH recent AS (
     SELECT lease_id, job_id, epoch, machine_id, granted_at, ended_at, end_reason,
-           seconds_per_step, first_step, last_step
+           seconds_per_step, first_step, last_step, step_compiled
     FROM leases
     WHERE granted_at > now() - make_interval(secs => $1)
     ORDER BY granted_at DESC
@@ -1009,9 +1010,7 @@ SELECT r.machine_id, r.job_id, r.epoch, r.ended_at IS NULL AS live,
             THEN extract(epoch FROM r.ended_at - r.granted_at)::float8 END AS completed_seconds,
        r.seconds_per_step::float8 AS reported_seconds_per_step,
        greatest(coalesce(r.last_step - r.first_step, 0), 0) AS reported_steps,
-       (j.spec ->> 'resolution')::int AS resolution,
-       (j.spec ->> 'train_batch_size')::int AS batch_size,
-       (j.spec ->> 'train_text_encoder')::boolean AS train_text_encoder,
+       coalesce(j.shape_key, j.job_id::text) AS shape_key, j.spec, r.step_compiled,
        coalesce(m.gpu_model, '') AS gpu_class,
        coalesce(m.identity_provider, '') AS identity_provider
 FROM recent r
