@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
+from lorafleet.core.spec import JobShape
 from lorafleet.scaler.policy import (
     FLEET,
     Action,
     Decision,
-    JobShape,
     NodeView,
     PaceObservation,
     PastAction,
@@ -45,8 +45,17 @@ CFG = PolicyConfig(
     reallocate_min_per_window=1,
     reallocate_holdoff_s=900,
 )
-SHAPE = JobShape(resolution=1024, batch_size=1, train_text_encoder=False, gpu_class="rtx4090")
-OTHER_GPU = replace(SHAPE, gpu_class="rtx3090")
+SHAPE = JobShape(
+    family="sdxl",
+    resolution=1024,
+    batch_size=1,
+    accumulation=1,
+    rank=4,
+    precision="no",
+    quantization="none",
+    gradient_checkpointing=False,
+    train_text_encoder=False,
+)
 
 
 def inst(
@@ -70,12 +79,22 @@ def node(name: str, **kw: Any) -> NodeView:
 
 
 def seen(
-    job: str, s_per_step: float, steps: int = 100, shape: JobShape = SHAPE, *, live: bool = True
+    job: str,
+    s_per_step: float,
+    steps: int = 100,
+    shape: JobShape = SHAPE,
+    *,
+    live: bool = True,
+    gpu: str = "rtx4090",
+    compiled: bool | None = True,
 ) -> PaceObservation:
-    """A pace the scheduler observed (verified checkpoints over its clock)."""
+    """A pace the scheduler observed (verified checkpoints over its clock), on a node that
+    says its step runs compiled unless `compiled` says otherwise."""
     return PaceObservation(
         job_id=job,
         shape=shape,
+        gpu_class=gpu,
+        step_compiled=compiled,
         live=live,
         observed_seconds_per_step=s_per_step,
         observed_steps=steps,
@@ -85,7 +104,12 @@ def seen(
 def said(job: str, s_per_step: float, steps: int = 100) -> PaceObservation:
     """A pace only the worker claims (heartbeats), nothing observed."""
     return PaceObservation(
-        job_id=job, shape=SHAPE, reported_seconds_per_step=s_per_step, reported_steps=steps
+        job_id=job,
+        shape=SHAPE,
+        gpu_class="rtx4090",
+        step_compiled=True,
+        reported_seconds_per_step=s_per_step,
+        reported_steps=steps,
     )
 
 
@@ -455,7 +479,7 @@ SLOW_CASES = [
         slow_snap(
             12.0,
             peers=[
-                node(f"p{k}", observations=(seen(f"o{k}", 1.0, shape=OTHER_GPU),)) for k in range(3)
+                node(f"p{k}", observations=(seen(f"o{k}", 1.0, gpu="rtx3090"),)) for k in range(3)
             ],
         ),
         CFG,
@@ -626,9 +650,7 @@ def test_a_reference_is_needed_besides_the_peers() -> None:
     assert summary(decide(slow_snap(12.0, references=learned), UNPINNED))[:1] == [
         ("drop", "m-slow", "j1")
     ]
-    fast_peers = [
-        node(f"p{i}", observations=(seen(f"jp{i}", 0.067),)) for i in range(len(PEERS))
-    ]
+    fast_peers = [node(f"p{i}", observations=(seen(f"jp{i}", 0.067),)) for i in range(len(PEERS))]
     assert decide(slow_snap(1.0, peers=fast_peers, references=learned), UNPINNED) == []
     drop = decide(slow_snap(12.0, references=learned), UNPINNED)[0]
     assert drop.figures["reference_source"] == "learned"

@@ -22,7 +22,7 @@ and its reports must never move that machine's instance.
    node: an idle banned (verified) instance is reallocated (it comes back on another machine),
    else a replica is added (below `max_replicas`), else the job waits for a busy node to finish.
 3. **Slow node**: a verified node whose pace on its leased job exceeds its peers' median (same
-   job shape: resolution, batch, text-encoder training, GPU class) by more than `slow_stddevs`
+   job shape, `JobSpec.shape.key`, and GPU class) by more than `slow_stddevs`
    robust standard deviations (1.4826 x the median absolute deviation), and by at least
    `slow_min_excess` of the median (identical peers have no spread; a 1% difference is not
    "slow"): its lease is dropped (the job is re-queued from its checkpoint, the machine banned
@@ -44,7 +44,11 @@ and its reports must never move that machine's instance.
      (`reference_paces`); else it is learned (`learn_references`, kept in the ledger) only
      from verified machines seen for `reference_min_age_s` or longer, and moves by at most
      `reference_rate_per_hour` per hour. A class with no reference yet drops no one: live peers
-     alone (three colluding machines committing valid checkpoints fast) convict nobody.
+     alone (three colluding machines committing valid checkpoints fast) convict nobody;
+   * the node's compile state stands beside its shape: a node that does not say its step runs
+     compiled (Heartbeat.step_compiled; a fresh node runs eager, 2 to 2.5x a warm compiled
+     step) is held to both limits times `slow_eager_allowance`. Its own word: it can only
+     spare itself, and what peers say of their compile state moves nothing.
    Drops are rate-limited like reallocations (their own count, the same allowance per
    `reallocate_window_s`); each DROP_LEASE row carries the observations behind it.
 4. **Replicas follow the work**: queued + running jobs (running: leases held by machines on a
@@ -81,7 +85,8 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from lorafleet.core.model import MIN_PLAUSIBLE_S_PER_STEP, shape_seconds_per_step
+from lorafleet.core.model import MIN_PLAUSIBLE_S_PER_STEP, shape_prior_seconds
+from lorafleet.core.spec import JobShape
 from lorafleet.scaler.provider import COUNTED_STATES, LIVE_STATES, Instance, InstanceState
 
 FLEET = "fleet"
@@ -124,6 +129,9 @@ class PolicyConfig:
     reference_min_age_s: float = 6 * 3600.0
     reference_rate_per_hour: float = 1.25
     slow_reference_excess: float = 0.5
+    # A node that does not say its step runs compiled (Heartbeat.step_compiled) is held to this
+    # many times the limits: a fresh eager step is 2 to 2.5x a warm compiled one (an H200).
+    slow_eager_allowance: float = 2.5
     reallocate_share: float = 0.1
     reallocate_window_s: float = 3600.0
     reallocate_min_per_window: int = 1
@@ -143,22 +151,18 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class JobShape:
-    """What makes two jobs' seconds per step comparable."""
-
-    resolution: int
-    batch_size: int
-    train_text_encoder: bool
-    gpu_class: str
-
-
-@dataclass(frozen=True, kw_only=True)
 class PaceObservation:
     """One node's pace on one lease: what the scheduler observed (steps between verified
-    checkpoints over the ledger's clock), and beside it what the node reported of itself."""
+    checkpoints over the ledger's clock), and beside it what the node reported of itself.
+    Two observations are comparable when their job shapes (`JobSpec.shape.key`) and GPU classes
+    are the same."""
 
     job_id: str
     shape: JobShape
+    gpu_class: str = ""
+    # Whether the holder says its step ran compiled (None: it did not say): its word, so it
+    # only ever chooses what this node's own pace is held to (`slow_eager_allowance`).
+    step_compiled: bool | None = None
     # Whether the lease is still the job's (the judged pace is the live lease's).
     live: bool = True
     # None until two verified checkpoints of the lease are `observed_steps` apart (or, with fewer,
@@ -456,30 +460,25 @@ def _stranded_jobs(fleet: _Fleet) -> tuple[int, list[Decision]]:
     return 0, []
 
 
-def _peer_paces(fleet: _Fleet) -> dict[JobShape, dict[str, float]]:
+def _peer_paces(fleet: _Fleet) -> dict[tuple[str, str], dict[str, float]]:
     """Per job shape, one observed pace per live, verified machine: the median of its
     observations that span the warm-up and are not faster than the plausibility floor.
     Departed machines and unverified streams count for nothing, and a machine with many leases
     counts no more than one with a single lease."""
     c = fleet.c
-    paces: dict[JobShape, dict[str, list[float]]] = {}
+    # Keyed by (JobSpec.shape.key, GPU class): the one definition of a job's shape.
+    paces: dict[tuple[str, str], dict[str, list[float]]] = {}
     for _inst, node in fleet.live_with_nodes():
         if not node.verified:
             continue
         for o in node.observations:
             if o.observed_seconds_per_step is None or o.observed_steps < c.slow_warmup_steps:
                 continue
-            floor = shape_seconds_per_step(
-                c.min_plausible_seconds_per_step,
-                resolution=o.shape.resolution,
-                batch_size=o.shape.batch_size,
-                train_text_encoder=o.shape.train_text_encoder,
-            )
+            floor = shape_prior_seconds(c.min_plausible_seconds_per_step, o.shape)
             if o.observed_seconds_per_step < floor:
                 continue  # implausibly fast: checkpoints committed, no training done
-            paces.setdefault(o.shape, {}).setdefault(node.machine_id, []).append(
-                o.observed_seconds_per_step
-            )
+            comparable = paces.setdefault((o.shape.key, o.gpu_class), {})
+            comparable.setdefault(node.machine_id, []).append(o.observed_seconds_per_step)
     return {
         shape: {m: statistics.median(xs) for m, xs in machines.items()}
         for shape, machines in paces.items()
@@ -487,13 +486,9 @@ def _peer_paces(fleet: _Fleet) -> dict[JobShape, dict[str, float]]:
 
 
 def _shape_factor(shape: JobShape) -> float:
-    """A shape's seconds per step for one second per 1024x1024 image step."""
-    return shape_seconds_per_step(
-        1.0,
-        resolution=shape.resolution,
-        batch_size=shape.batch_size,
-        train_text_encoder=shape.train_text_encoder,
-    )
+    """A shape's seconds per step for one second per 1024x1024 SDXL image step (the rule
+    priors use: `core.model.shape_prior_seconds`)."""
+    return shape_prior_seconds(1.0, shape)
 
 
 def reference_pace(snapshot: Snapshot, config: PolicyConfig, gpu_class: str) -> tuple[float, str]:
@@ -527,9 +522,7 @@ def learn_references(snapshot: Snapshot, config: PolicyConfig) -> dict[str, Refe
             normalised = o.observed_seconds_per_step / _shape_factor(o.shape)
             if normalised < c.min_plausible_seconds_per_step:
                 continue
-            per_class.setdefault(o.shape.gpu_class, {}).setdefault(node.machine_id, []).append(
-                normalised
-            )
+            per_class.setdefault(o.gpu_class, {}).setdefault(node.machine_id, []).append(normalised)
     out: dict[str, Reference] = {}
     for gpu_class, machines in per_class.items():
         if gpu_class in c.reference_paces or len(machines) < c.slow_min_peers:
@@ -580,22 +573,32 @@ def _slow_nodes(fleet: _Fleet) -> list[Decision]:
             continue
         observation, pace, source = own
         peers = {
-            m: x for m, x in peer_paces.get(observation.shape, {}).items() if m != node.machine_id
+            m: x
+            for m, x in peer_paces.get((observation.shape.key, observation.gpu_class), {}).items()
+            if m != node.machine_id
         }
         if len(peers) < c.slow_min_peers:
             continue
         median = statistics.median(peers.values())
         spread = _MAD_TO_SIGMA * statistics.median(abs(x - median) for x in peers.values())
         limit = max(median + c.slow_stddevs * spread, median * (1.0 + c.slow_min_excess))
+        # The node's compile state beside its shape: one that does not say it runs compiled
+        # (a fresh node, eager) is not held to warm compiled peers. Its own word, so it moves
+        # only its own verdict; what peers say of themselves changes nothing here.
+        allowance = 1.0 if observation.step_compiled else c.slow_eager_allowance
+        limit *= allowance
         if pace <= limit:
             continue
         # Never from live peers alone: past the class's reference too (pinned, or learned
         # slowly from long-lived machines). None yet: no verdict.
-        reference, reference_source = reference_pace(s, c, observation.shape.gpu_class)
+        reference, reference_source = reference_pace(s, c, observation.gpu_class)
         if reference <= 0:
             continue
         reference_limit = (
-            reference * _shape_factor(observation.shape) * (1.0 + c.slow_reference_excess)
+            reference
+            * _shape_factor(observation.shape)
+            * (1.0 + c.slow_reference_excess)
+            * allowance
         )
         if pace <= reference_limit:
             continue

@@ -53,7 +53,6 @@ from lorafleet.scaler.config import ScalerSettings
 from lorafleet.scaler.policy import (
     Action,
     Decision,
-    JobShape,
     NodeView,
     PaceObservation,
     PastAction,
@@ -370,12 +369,9 @@ class Scaler(AsyncLifecycle):
             by_machine[p.machine_id].append(
                 PaceObservation(
                     job_id=p.job_id,
-                    shape=JobShape(
-                        resolution=p.resolution,
-                        batch_size=p.batch_size,
-                        train_text_encoder=p.train_text_encoder,
-                        gpu_class=p.gpu_class,
-                    ),
+                    shape=p.shape,
+                    gpu_class=p.gpu_class,
+                    step_compiled=p.step_compiled,
                     live=p.live,
                     observed_seconds_per_step=observed,
                     observed_steps=steps,
