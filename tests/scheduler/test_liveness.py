@@ -394,3 +394,67 @@ async def test_the_scheduler_answers_a_ping_with_its_nonce(fleet: Fleet) -> None
             await worker.send(ping=fpb.Ping(nonce=nonce))
             pong = await worker.expect("pong")
             assert pong.nonce == nonce
+
+
+@pytest.mark.slow
+async def test_a_replica_cut_off_from_postgres_loses_its_workers_not_their_leases(
+    database_url: str, tmp_path: Path, cpu_qualification: QualificationResult
+) -> None:
+    """A partition between one replica and Postgres (the other reaches it): the cut-off
+    replica's worker moves to the other one within the TTL and keeps its lease."""
+    gate = PostgresGate(database_url)
+    await gate.start()
+    data_dir = shared_data_dir(tmp_path / "shared")
+    store = LocalObjectStore(
+        LocalStoreConfig(root_dir=data_dir / "objects", secret_key=SHARED_STORAGE_SECRET.encode())
+    )
+    await store.put_bytes(upload_key("alice", PREFIX, "1.png"), png(1))
+    ledger = await Ledger.connect(database_url, max_size=2)
+    try:
+        key = (await create_api_key(ledger, "alice")).key
+    finally:
+        await ledger.close()
+    env = dict(
+        LORAFLEET_WORKER_TOKEN=TOKEN,
+        LORAFLEET_LEASE_TTL_S=str(TTL_S),
+        LORAFLEET_HEARTBEAT_INTERVAL_S="1",
+        LORAFLEET_SWEEP_INTERVAL_S="0.5",
+    )
+    try:
+        async with AsyncExitStack() as stack:
+            a = await stack.enter_async_context(
+                scheduler_process(gate.url, data_dir, {**env, "LORAFLEET_SCHEDULER_ID": "a"})
+            )
+            b = await stack.enter_async_context(
+                scheduler_process(database_url, data_dir, {**env, "LORAFLEET_SCHEDULER_ID": "b"})
+            )
+            balancer = TcpBalancer([a.port, b.port])
+            await balancer.start()
+            stack.push_async_callback(balancer.close)
+            channel = await stack.enter_async_context(
+                grpc.aio.insecure_channel(f"127.0.0.1:{b.port}")
+            )
+            client = JobClient(pbgrpc.JobServiceStub(channel), key)
+            agent = Agent(
+                worker_config("w0", balancer.address, tmp_path),
+                trainer_factory=simulated_trainer_factory(step_s=0.05, checkpoint_bytes=4096),
+                qualification=cpu_qualification,
+            )
+            balancer.route_next_to(0)
+            await stack.enter_async_context(running(agent))
+            async with asyncio.timeout(60):
+                await agent.wait_for_state(State.IDLE)
+            assert agent.scheduler_id == "a"
+            job = await client.submit(**LONG_JOB)
+            async with asyncio.timeout(60):
+                await agent.wait_for_state(State.LEASED)
+            _, lease_id, epoch = await lease_of(database_url, job.job_id)
+            gate.down()
+            async with asyncio.timeout(TTL_S):
+                await agent.wait_until(lambda x: x.scheduler_id == "b" and x.state is State.LEASED)
+            await asyncio.sleep(TTL_S)  # past a TTL with a cut off: b's sweeper sees every lease
+            assert await lease_of(database_url, job.job_id) == ("RUNNING", lease_id, epoch)
+            kinds = [kind for kind, _ in await job_events(database_url, job.job_id)]
+            assert "LEASE_EXPIRED" not in kinds, kinds
+    finally:
+        await gate.close()
