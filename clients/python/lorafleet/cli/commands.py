@@ -224,7 +224,8 @@ def describe_estimate(e: Estimate) -> str:
     if not e.samples:
         return (
             "no estimate: too few of this fleet's machines have finished a job of this shape"
-            " (resolution, batch size, gradient accumulation, text-encoder training) lately"
+            " (its model family, resolution, batch size, gradient accumulation, rank, precision,"
+            " base quantization, gradient checkpointing, text-encoder training) lately"
         )
     text = (
         f"estimate   {e.seconds:.0f} s ({e.seconds / 3600:.2f} GPU-hours) at"

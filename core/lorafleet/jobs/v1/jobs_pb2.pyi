@@ -1627,8 +1627,9 @@ class EstimateJobResponse(_message.Message):
     SPEND_LIMIT_DOLLARS_FIELD_NUMBER: _builtins.int
     SPENT_DOLLARS_FIELD_NUMBER: _builtins.int
     seconds_per_step: _builtins.float
-    """Seconds per training step of jobs of the same shape (resolution, batch size, gradient
-    accumulation, text-encoder training) on this fleet over the last week, from verified
+    """Seconds per training step of jobs of the same shape (model family, resolution, batch size,
+    gradient accumulation, rank, precision, base quantization, gradient checkpointing,
+    text-encoder training: JobSpec.shape) on this fleet over the last week, from verified
     completions only (the scheduler's clock from grant to a result the store verified; what
     workers report of their speed never counts): one figure per provider-verified machine, the
     median of them. 0 while fewer machines than the operator's minimum (3 by default) have
