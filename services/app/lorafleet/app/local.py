@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -26,11 +27,10 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from lorafleet.cli.commands import watch
 from lorafleet.client import AsyncClient
-from lorafleet.core.families import DEFAULT_FAMILY, FAMILIES, PIPELINES
+from lorafleet.core.families import DEFAULT_FAMILY, FAMILIES, PIPELINES, FamilyName
 from lorafleet.core.settings import load
 from lorafleet.ledger.ledger import Ledger
 from lorafleet.scaler.config import ScalerSettings
@@ -273,7 +273,7 @@ async def run_demo(args: argparse.Namespace) -> int:
     await asyncio.to_thread(data_dir.mkdir, parents=True, exist_ok=True)
     tiny = not args.base_model
     resolution = 64 if tiny else 1024
-    family: str = args.family or DEFAULT_FAMILY
+    family: FamilyName = args.family or DEFAULT_FAMILY
     if tiny:
         from lorafleet.worker.tiny_model import build_tiny_model
 
@@ -283,10 +283,7 @@ async def run_demo(args: argparse.Namespace) -> int:
             print(
                 f"building a tiny {family}-architecture demo model...", file=sys.stderr, flush=True
             )
-            # `family` only where it is not sdxl: the builder's default, and its only family
-            # before the model-family seam (worker/tiny_model.py).
-            extra: dict[str, Any] = {} if family == DEFAULT_FAMILY else {"family": family}
-            await asyncio.to_thread(build_tiny_model, model_dir, **extra)
+            await asyncio.to_thread(functools.partial(build_tiny_model, family=family), model_dir)
         base_model = str(model_dir.resolve())
     else:
         base_model = args.base_model
