@@ -159,7 +159,12 @@ async def test_the_ledger_reads_behind_the_snapshot(
     assert (pace.machine_id, pace.observed_steps, pace.live) == ("m1", 30, True)
     assert pace.observed_seconds == pytest.approx(45.0)
     assert pace.reported_seconds_per_step == pytest.approx(0.01) and pace.reported_steps == 20
-    assert (pace.resolution, pace.batch_size, pace.train_text_encoder) == (512, 1, False)
+    assert (pace.shape.resolution, pace.shape.batch_size, pace.shape.train_text_encoder) == (
+        512,
+        1,
+        False,
+    )
+    assert pace.shape.key == "sdxl|512px|b1|a1|r4|no|none|nogc|note"
     assert pace.gpu_class == "NVIDIA L4" and pace.identity_provider == ""
     work = await ledger.scaler_work(["m1"])
     assert (work.queued, work.running, work.unplaced) == (0, 1, 0)
@@ -186,14 +191,14 @@ async def test_nodes_as_a_table_and_as_json(
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:3] == ["MACHINE", "INSTANCE", "GPU"]
     m1 = next(line for line in table if line.startswith("m1 "))
-    assert populated["job"] in m1 and "512px b1: 1.5" in m1 and "24 GiB" in m1
+    assert populated["job"] in m1 and "|512px|b1|" in m1 and ": 1.5" in m1 and "24 GiB" in m1
     m2 = next(line for line in table if line.startswith("m2 "))
     assert "NO (matmul 2 TFLOPS" in m2 and "idle" in m2
 
     args = parser.parse_args(["nodes", "--json", "--database-url", database_url])
     assert await run_nodes(args) == 0
     rows = {r["machine_id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert rows["m1"]["seconds_per_step_by_shape"] == {"512px b1": 1.5}
+    assert rows["m1"]["seconds_per_step_by_shape"] == {"sdxl|512px|b1|a1|r4|no|none|nogc|note": 1.5}
     assert rows["m1"]["lease_job_id"] == populated["job"] and rows["m2"]["qualified"] is False
     assert rows["m1"]["node_faults"] == 0 and rows["m1"]["jobs_finished"] == 0
 

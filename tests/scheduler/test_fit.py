@@ -135,6 +135,7 @@ async def test_out_of_memory_on_a_granted_job_moves_it_to_larger_nodes(
         )
     finally:
         await conn.close()
+    assert row is not None
     assert row["min_vram_mb"] == 16_385 and row["bans"] == 0, dict(row)
     assert row["failures"] == 0 and row["node_faults"] == 0, dict(row)
     assert row["ends"] == ["outgrown"], dict(row)

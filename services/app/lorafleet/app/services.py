@@ -234,14 +234,13 @@ async def run_nodes(args: argparse.Namespace) -> int:
     async with open_ledger(settings.database_url, settings.data_dir) as (ledger, _url):
         nodes = await ledger.list_nodes(None, fault_window_s=3600.0, limit=args.limit)
         observations = await ledger.pace_observations(30 * 24 * 3600.0, 100_000)
-    # Seconds per step by job shape (resolution, batch, text encoder), averaged over its leases:
-    # as the scheduler observed it (verified checkpoints over its clock), not as workers say.
+    # Seconds per step by job shape (JobSpec.shape.key), averaged over its leases: as the
+    # scheduler observed it (verified checkpoints over its clock), not as workers say.
     paces: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for o in observations:
         if not o.observed_steps or o.observed_seconds is None:
             continue
-        shape = f"{o.resolution}px b{o.batch_size}{' +te' if o.train_text_encoder else ''}"
-        paces[o.machine_id][shape].append(o.observed_seconds / o.observed_steps)
+        paces[o.machine_id][o.shape.key].append(o.observed_seconds / o.observed_steps)
     by_shape = {
         m: {shape: round(sum(v) / len(v), 3) for shape, v in sorted(shapes.items())}
         for m, shapes in paces.items()
