@@ -4,6 +4,7 @@ bit-identical LoRA weights to an uninterrupted run (CPU); trainers share no proc
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from lorafleet.worker.training import (
     CorruptCheckpoint,
     Finished,
     Stopped,
+    StopReason,
     Trainer,
     TrainingImage,
     TrainingSnapshot,
@@ -226,3 +228,28 @@ def test_several_trainers_live_in_one_process(tiny_model_dir: Path) -> None:
         done = [future.result(timeout=120) for future in futures]
     assert same_tensors(lora_tensors(done[0]), lora_tensors(other))
     assert same_tensors(lora_tensors(done[1]), lora_tensors(first))
+
+
+@pytest.mark.parametrize("reason", ["cancel", "drain"])
+def test_a_stop_while_the_run_prepares_ends_it_at_that_phase(
+    tiny_model_dir: Path, reason: StopReason
+) -> None:
+    """Cancel and drain reach every phase before the first step (a model download, class
+    images, precompute, compiling): the run ends at the next phase with nothing trained."""
+    phases: list[str] = []
+    stop_at = "precompute"
+
+    def on_phase(name: str) -> None:
+        phases.append(name)
+
+    def should_stop() -> StopReason | None:
+        return reason if stop_at in phases else None
+
+    recorder = Recorder()
+    hooks = dataclasses.replace(recorder.hooks(), on_phase=on_phase, should_stop=should_stop)
+    trainer = Trainer(make_config(tiny_model_dir, tiny_spec(max_train_steps=5)))
+    outcome = trainer.run(instance_images=instance_images(), hooks=hooks)
+    assert isinstance(outcome, Stopped)
+    assert (outcome.step, outcome.reason, outcome.snapshot) == (0, reason, None)
+    assert phases[:3] == ["decode_images", "load_model", "class_images"]
+    assert phases[-1] == stop_at and recorder.progress == []

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
 import functools
 import math
@@ -427,20 +426,17 @@ class LeaseRunner:
             max_steps=training_config.spec.max_train_steps,
             start_step=start,
         )
-        # `on_phase(name)`: the trainer names each setup phase as it enters it (and may name it
-        # again as a sign of progress within it). `checkpoint_every()`: the interval in steps
-        # the run checkpoints at, read after each step (auto_interval.py). Each is passed where
-        # the trainer's hooks have it.
-        offered = {"on_phase": self._on_phase, "checkpoint_every": self._auto_interval.current}
-        known = {f.name for f in dataclasses.fields(TrainingHooks)}
-        phase_hook = {name: hook for name, hook in offered.items() if name in known}
+        # `on_phase(name)`: the trainer names each setup phase as it enters it (and polls
+        # `should_stop` there). `checkpoint_every()`: the interval in steps the run checkpoints
+        # at, read after each step (auto_interval.py).
         hooks = TrainingHooks(
             on_progress=self._on_progress,
             should_stop=self._should_stop,
             on_checkpoint=self._on_checkpoint,
             on_class_images=self._on_class_images,
             on_notice=self._on_notice,
-            **phase_hook,
+            on_phase=self._on_phase,
+            checkpoint_every=self._auto_interval.current,
         )
         with tracer.start_as_current_span(
             "worker.train", attributes={"lorafleet.start_step": start}

@@ -98,6 +98,13 @@ class TrainingHooks:
       is only valid with the class images it was trained with.
     * `on_notice(message)`: something the job's owner should read on its timeline (whether
       the step was compiled and why, a compiled run falling back to eager).
+    * `on_phase(name)`: the run enters a setup phase before its first step (`decode_images`,
+      `load_model`, `class_images`, `adapters`, `compile_choice`, `precompute`, `optimizer`,
+      `restore`). `should_stop` is polled at each: a cancel or a drain asked for while the run
+      prepares ends it there (no snapshot: nothing was trained).
+    * `checkpoint_every()`: the checkpoint interval in steps, read after each optimizer step
+      (the worker re-derives an automatic interval from the node's own pace); None: the spec's
+      `checkpointing_steps`.
 
     Validation images are not made here: the training thread never stops for them. They are
     sample tasks on the fleet (`lorafleet.worker.training.samples`), made from the
@@ -109,6 +116,8 @@ class TrainingHooks:
     on_checkpoint: Callable[[TrainingSnapshot], None] | None = None
     on_class_images: Callable[[list[tuple[int, bytes]]], None] | None = None
     on_notice: Callable[[str], None] | None = None
+    on_phase: Callable[[str], None] | None = None
+    checkpoint_every: Callable[[], int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,8 +291,31 @@ class _Run:
         class_images: Sequence[TrainingImage],
         resume: TrainingSnapshot | None,
     ) -> TrainingOutcome:
+        try:
+            return self.prepare_and_train(instance_images, class_images, resume)
+        except _Cancelled:
+            return self.stopped()
+
+    @contextlib.contextmanager
+    def setup_phase(self, name: str) -> Iterator[None]:
+        """A setup phase: named to the caller, a stop asked for before it honoured (unwinding
+        to `execute`), timed."""
+        if self.hooks.on_phase is not None:
+            self.hooks.on_phase(name)
+        self.poll()
+        if self.pending_stop is not None:
+            raise _Cancelled
+        with self.timings.setup_phase(name):
+            yield
+
+    def prepare_and_train(
+        self,
+        instance_images: Sequence[TrainingImage],
+        class_images: Sequence[TrainingImage],
+        resume: TrainingSnapshot | None,
+    ) -> TrainingOutcome:
         spec = self.spec
-        phase = self.timings.setup_phase
+        phase = self.setup_phase
         self.step = self.start_step = resume.step if resume is not None else 0
         self.runtime = resolve_runtime(self.config)
         bucketing = spec.aspect_ratio_bucketing
@@ -709,7 +741,12 @@ class _Run:
                     )
                 last_report = now
                 steps_since_report = 0
-            due = not final and self.step % spec.checkpointing_steps == 0
+            interval = (
+                hooks.checkpoint_every()
+                if hooks.checkpoint_every is not None
+                else spec.checkpointing_steps
+            )
+            due = not final and self.step % max(1, interval) == 0
             if hooks.on_checkpoint is not None and due:
                 self.check_finite(nonfinite)
                 started = time.perf_counter()
