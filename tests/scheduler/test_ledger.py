@@ -40,6 +40,10 @@ def new_job(
     spec = JobSpec(
         instance_prompt="a photo of sks dog",
         instance_data_prefix="dogs/rex",
+        # A folder on the workers: no memory estimate, so a claim naming no memory may take it
+        # (the default hub model's estimate, ~22 GiB, would be the job's need; tests/scheduler/
+        # test_fit.py is about that).
+        base_model="/models/sdxl",
         max_train_steps=100,
         priority=priority,
         min_vram_mb=min_vram_mb,
@@ -337,6 +341,7 @@ async def test_a_cancel_that_waited_for_a_claim_ends_the_lease_it_granted(
             [],
             0.0,
             [],
+            ["sdxl"],
         )
         assert granted is not None
         cancel = asyncio.create_task(ledger.cancel_job(job.job_id, "alice"))
