@@ -693,6 +693,9 @@ async def run(settings: Settings) -> tuple[int, dict[str, Any]]:
             "BENCH_PID_DIR": str(pid_dir),
             "BENCH_BAD_MACHINE": bad_machine,
             "LORAFLEET_SIMULATE_STEP_S": str(settings.step_s),
+            # A simulated node stands for a GPU node: the memory it announces, which the jobs'
+            # estimates are held to, is not this machine's (a CPU worker's is the host's).
+            "LORAFLEET_VRAM_MB": "81920",
             "LORAFLEET_SIMULATE_CHECKPOINT_BYTES": str(settings.checkpoint_bytes),
             "LORAFLEET_SIMULATE_CHECKPOINT_STALL_S": str(settings.checkpoint_stall_s),
             "LORAFLEET_DRAIN_GRACE_S": "10",

@@ -139,6 +139,8 @@ async def start_worker(
         "LORAFLEET_COMPILE_MODEL": "off",  # auto compiles a long job: minutes here
         "SALAD_MACHINE_ID": machine_id,
         "LORAFLEET_SIMULATE_STEP_S": "0.05",
+        # Stands for a GPU node: the jobs' memory estimates are not held to this host's memory.
+        "LORAFLEET_VRAM_MB": "81920",
         "LORAFLEET_SIMULATE_CHECKPOINT_BYTES": "4096",
         "LORAFLEET_MIN_FREE_DISK_MB": "0",
         "LORAFLEET_MIN_FREE_MEMORY_MB": "0",

@@ -79,6 +79,8 @@ async def test_worker_metrics_move_with_its_work_and_healthz_answers(fleet: Flee
         "LORAFLEET_ALLOW_CPU": "1",
         "SALAD_MACHINE_ID": "metrics-w1",
         "LORAFLEET_SIMULATE_STEP_S": "0.05",
+        # Stands for a GPU node: the jobs' memory estimates are not held to this host's memory.
+        "LORAFLEET_VRAM_MB": "81920",
         "LORAFLEET_SIMULATE_CHECKPOINT_BYTES": "4096",
         "LORAFLEET_MIN_FREE_DISK_MB": "0",
         "LORAFLEET_MIN_FREE_MEMORY_MB": "0",
