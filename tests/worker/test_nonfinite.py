@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lorafleet.core.model import FailureClass
-from lorafleet.worker.training.families import sdxl
 from lorafleet.worker.training.failures import TrainingFailure
+from lorafleet.worker.training.families import sdxl
 from lorafleet.worker.training.objective import dreambooth_loss
 from tests.support.training import Recorder, TrainFn, tiny_spec
 
