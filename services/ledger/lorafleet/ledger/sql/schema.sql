@@ -450,9 +450,6 @@ CREATE INDEX sample_tasks_running_idx ON sample_tasks (lease_expires_at) WHERE s
 -- bound (lease_progress_timeout_s) is stated for.
 CREATE FUNCTION lorafleet_reference_interval() RETURNS integer
 LANGUAGE sql IMMUTABLE AS $$
-    SELECT CASE WHEN coalesce(lease_steps, 0) > 0 THEN lease_steps
-                WHEN coalesce((spec ->> 'checkpointing_steps')::int, 0) > 0
-                    THEN (spec ->> 'checkpointing_steps')::int
     SELECT 100
 $$;
 
@@ -460,6 +457,9 @@ $$;
 -- spec's, else the reference interval. Never 0.
 CREATE FUNCTION lorafleet_lease_interval(spec jsonb, lease_steps integer)
 RETURNS integer LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN coalesce(lease_steps, 0) > 0 THEN lease_steps
+                WHEN coalesce((spec ->> 'checkpointing_steps')::int, 0) > 0
+                    THEN (spec ->> 'checkpointing_steps')::int
                 ELSE lorafleet_reference_interval() END
 $$;
 
