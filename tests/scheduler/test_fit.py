@@ -170,3 +170,39 @@ async def test_out_of_memory_on_the_largest_node_class_is_an_internal_error(
         assert (await big.ready_for_lease()).lease.job_id == other.job_id
     async with connect_worker(fleet.channel, fleet.token, "big-2", vram_mb=24_576) as big_2:
         assert (await big_2.ready_for_lease()).lease.job_id == job.job_id
+
+
+async def test_a_hello_naming_too_many_families_is_refused(fleet: Fleet) -> None:
+    """The list is bounded (each name is matched in every claim): past 32 names the Hello is
+    INVALID_ARGUMENT naming hello.families."""
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async with connect_worker(
+            fleet.channel, fleet.token, "many", families=[f"f{i}" for i in range(33)]
+        ):
+            pass
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "hello.families" in (refused.value.details() or "")
+
+
+async def test_a_sample_task_goes_to_a_worker_serving_its_jobs_family(fleet: Fleet) -> None:
+    """A flux job's validation images run the flux pipeline: a worker serving sdxl only is not
+    given its sample task, one serving flux is (claimed from the ledger itself, so that no
+    dispatch round decides the order)."""
+    job = await fleet.alice.submit(
+        **FLUX_QLORA, max_train_steps=25, validation_prompt="a dog", validation_steps=10
+    )
+    ledger = fleet.scheduler.ledger
+    async with connect_worker(fleet.channel, fleet.token, "trainer") as trainer:
+        granted = await trainer.ready_for_lease()
+        assert granted.lease.job_id == job.job_id
+        await trainer.store_checkpoint(granted.lease, 10)
+        await fleet.alice.wait_event(job.job_id, pb.JOB_EVENT_KIND_CHECKPOINT_COMMITTED)
+        secret = bytes(32)
+        passed_over = await ledger.claim_sample_task(
+            "sdxl-only", 81_920, 30, secret_sha256=secret, families=["sdxl"]
+        )
+        assert passed_over is None
+        task = await ledger.claim_sample_task(
+            "flux-node", 81_920, 30, secret_sha256=secret, families=["flux"]
+        )
+    assert task is not None and task.job_id == job.job_id and task.step == 10
