@@ -96,7 +96,7 @@ def test_frozen_weights_take_the_mixed_precision_dtype(
     assert half.denoiser.dtype == dtype
     assert all(encoder.dtype == dtype for encoder in half.text_encoders.values())
     config = make_config(tiny_model_dir, spec, frozen_dtype="fp32")
-    assert load_components(config, resolve_runtime(config)).unet.dtype == torch.float32
+    assert load_components(config, resolve_runtime(config)).denoiser.dtype == torch.float32
     outcome, _ = train(spec)
     assert all(t.dtype == torch.float32 for t in lora_tensors(outcome).values())
 

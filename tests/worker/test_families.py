@@ -79,7 +79,7 @@ def test_each_family_trains_and_both_files_load_in_its_pipeline(
     """The fast lane's guard against a change that breaks one family: a few steps, then the
     diffusers file and the kohya (ComfyUI) file load into the family's own pipeline with every
     key taken, and the two give the same adapted denoiser, which differs from the base one."""
-    import diffusers
+    from lorafleet.worker.training.base_model import diffusers
 
     model = models[family]
     outcome, _ = run(model, family_spec(family, model, max_train_steps=2, output_format="both"))
@@ -126,8 +126,9 @@ def test_each_family_trains_and_both_files_load_in_its_pipeline(
 
 
 def _check_comfyui_flux_keys(model: Path, diffusers_file: bytes, kohya_file: bytes) -> None:
-    import diffusers
+    import diffusers as _diffusers
 
+    diffusers: Any = _diffusers
     transformer = diffusers.FluxTransformer2DModel.from_pretrained(model, subfolder="transformer")
     linear = {
         name.replace(".", "_"): name
@@ -146,7 +147,7 @@ def _check_comfyui_flux_keys(model: Path, diffusers_file: bytes, kohya_file: byt
     assert len(layers) == len([k for k in ours if k.endswith(".lora_A.weight")])
 
 
-def _denoiser_output(family: str, denoiser: Any) -> torch.Tensor:
+def _denoiser_output(family: str, denoiser: Any) -> Any:
     generator = torch.Generator().manual_seed(0)
     config = denoiser.config
     with torch.no_grad():
@@ -250,7 +251,7 @@ def test_a_non_finite_loss_never_becomes_a_checkpoint(
     def nan_from_the_third_step(*args: Any, **kwargs: Any) -> torch.Tensor:
         nonlocal calls
         calls += 1
-        value = real(*args, **kwargs)
+        value: torch.Tensor = real(*args, **kwargs)
         return value * float("nan") if calls >= 3 else value
 
     monkeypatch.setattr(module, "flow_loss", nan_from_the_third_step)
@@ -287,9 +288,7 @@ def test_flux2_prompts_are_encoded_as_its_pipeline_encodes_them(
 ) -> None:
     """The hidden layers and the template come from Flux2KleinPipeline (9, 18, 27 today;
     diffusers' klein script's default 10, 20, 30 is FLUX.2 [dev]'s)."""
-    import diffusers
-
-    from lorafleet.worker.training.base_model import load_components
+    from lorafleet.worker.training.base_model import diffusers, load_components
     from lorafleet.worker.training.config import resolve_runtime
 
     assert flux2.pipeline_default("text_encoder_out_layers") == (9, 18, 27)
@@ -329,7 +328,7 @@ def test_one_step_is_the_published_flow_matching_step(family: str, models: dict[
     prompt encoding and the same draws (the run's generator: seed + 1, the posterior draw
     first, then the noise, then u), compared with the run's first loss, and the sign of its
     first AdamW update (lr * sign(g) on the first step) with the gradient computed here."""
-    import diffusers
+    from lorafleet.worker.training.base_model import diffusers
 
     model = models[family]
     lr = 1e-3
@@ -415,7 +414,9 @@ def test_one_step_is_the_published_flow_matching_step(family: str, models: dict[
 
         def keep(module: Any, args: Any, out: torch.Tensor, name: str = name) -> None:
             captured[name] = args[0].detach()
-            out.register_hook(lambda g, name=name: grads.__setitem__(name, g.detach()))
+            out.register_hook(  # type: ignore[no-untyped-call]
+                lambda g, name=name: grads.__setitem__(name, g.detach())
+            )
 
         handles.append(modules[name].register_forward_hook(keep))
     prediction = transformer(

@@ -118,7 +118,7 @@ def family_for(model_family: str, base_model: str) -> FamilyName:
     """The family a spec trains: the one it names, else its known variant's, else
     DEFAULT_FAMILY (the worker checks it against the model)."""
     if model_family in FAMILIES:
-        return model_family  # type: ignore[return-value]
+        return model_family
     variant = variant_for(base_model)
     return variant.family if variant is not None else DEFAULT_FAMILY
 

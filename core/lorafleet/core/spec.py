@@ -351,7 +351,7 @@ class JobSpec:
     base_model: str = spec_field(
         default=DEFAULT_BASE_MODEL,
         help="base model: a hub id, or a local diffusers folder on the workers (an absolute"
-        " path; the demo's tiny CPU model is .lorafleet/demo-model)",
+        " path; the demo's tiny CPU model is .lorafleet/demo-model-sdxl)",
         trains=True,
         max_chars=MAX_MODEL_REF_CHARS,
         required=True,
