@@ -200,3 +200,18 @@ def test_a_shard_index_naming_a_pickle_is_refused_before_loading(
     assert refused.value.failure_class is FailureClass.INPUT
     assert "safetensors only" in str(refused.value)
     assert shard in str(refused.value)
+
+
+@pytest.mark.filterwarnings("ignore:The `local_dir_use_symlinks` argument is deprecated")
+def test_a_hub_model_this_machine_cannot_download_is_the_nodes_fault(tmp_path: Path) -> None:
+    """No connection to the hub and nothing cached: the node's fault, said in a sentence (the
+    job goes on elsewhere), never a bare internal error and never the job's."""
+    from lorafleet.worker.training.base_model import detect_family
+    from lorafleet.worker.training.config import TrainingConfig
+
+    spec = tiny_spec(base_model="someone/not-cached-here")
+    config = TrainingConfig(spec=spec, cache_dir=str(tmp_path), local_files_only=True)
+    with pytest.raises(TrainingFailure) as failed:
+        detect_family(config)
+    assert failed.value.failure_class is FailureClass.NODE
+    assert "could not download 'someone/not-cached-here' on this machine" in str(failed.value)

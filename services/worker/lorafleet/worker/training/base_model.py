@@ -20,9 +20,10 @@ import torch
 import transformers as _transformers
 
 from lorafleet.core.families import PIPELINES, REFUSED_PIPELINES
+from lorafleet.core.model import FailureClass
 from lorafleet.core.spec import JobSpec
 from lorafleet.worker.training.config import Runtime, TrainingConfig
-from lorafleet.worker.training.failures import input_fault
+from lorafleet.worker.training.failures import TrainingFailure, input_fault
 
 if TYPE_CHECKING:
     from lorafleet.worker.training.families.base import Components, Family
@@ -214,12 +215,29 @@ def quantization_config(spec: JobSpec, runtime: Runtime) -> dict[str, Any]:
 
 
 def raise_if_missing_repo(exc: Exception, field: str, ref: str) -> None:
-    """A hub id that does not exist is the job's fault; network trouble is not."""
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+    """A hub id that does not exist, or that this fleet may not read, is the job's fault;
+    a machine that cannot reach the hub (no network, offline mode) is the node's, said so."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     for current in (exc, exc.__cause__, exc.__context__):
+        if isinstance(current, GatedRepoError):
+            raise input_fault(
+                f"{field}: {ref!r} is gated on the Hugging Face hub and this fleet's workers"
+                " have not been granted access"
+            ) from exc
         if isinstance(current, (RepositoryNotFoundError, RevisionNotFoundError)):
             raise input_fault(f"{field}: no model {ref!r} on the Hugging Face hub") from exc
+        if isinstance(current, LocalEntryNotFoundError):
+            raise TrainingFailure(
+                FailureClass.NODE,
+                f"{field}: could not download {ref!r} on this machine (no connection to the"
+                " Hugging Face hub, and not in its cache)",
+            ) from exc
 
 
 def install_output_hooks(text_encoders: Sequence[Any]) -> None:
