@@ -392,7 +392,7 @@ class _NodeFault:
         self.config = config
 
     def run(self, **_kwargs: Any) -> TrainingOutcome:
-        raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
 async def test_node_fault_fails_the_attempt_and_bans_the_machine(
@@ -407,7 +407,7 @@ async def test_node_fault_fails_the_attempt_and_bans_the_machine(
         async with asyncio.timeout(WAIT_S):
             await agent.wait_for_state(State.IDLE)
     assert event.failure_class == pb.FAILURE_CLASS_NODE
-    assert "CUDA out of memory" in event.message
+    assert "illegal memory access" in event.message
     current = await fleet.client.get(job.job_id)
     # Re-queued for another machine; this one is banned from it. A node fault is not the
     # job's: it counts apart from max_failures.

@@ -87,15 +87,21 @@ def adapter_layers(components: Components) -> list[object]:
 
 def cancelled_mid_step() -> TrainingHooks:
     """Cancels between the two micro-batches of the second step: the first one's gradients
-    are left on the adapters (polls: before each step and between its micro-batches)."""
+    are left on the adapters (polls once training is set up: entering the last setup phase,
+    before each step and between its micro-batches)."""
     polls = 0
+    prepared = False
+
+    def on_phase(name: str) -> None:
+        nonlocal prepared
+        prepared = prepared or name == "optimizer"
 
     def should_stop() -> StopReason | None:
         nonlocal polls
-        polls += 1
-        return "cancel" if polls == 4 else None
+        polls += prepared
+        return "cancel" if polls == 5 else None
 
-    return TrainingHooks(should_stop=should_stop)
+    return TrainingHooks(should_stop=should_stop, on_phase=on_phase)
 
 
 def test_a_warm_run_trains_the_same_bits_and_leaves_the_base_model_as_loaded(
