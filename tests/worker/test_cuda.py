@@ -31,6 +31,7 @@ from lorafleet.worker.training.config import resolve_runtime
 from tests.support.training import (
     Recorder,
     TrainFn,
+    instance_images,
     lora_tensors,
     make_config,
     same_tensors,
@@ -162,3 +163,46 @@ def test_a_snapshot_survives_the_training_stream_overwriting_its_source(reused: 
         assert set(taken) == set(values)
         for key, value in values.items():
             assert torch.equal(taken[key], value), key
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "fp8"])
+@pytest.mark.parametrize("family", ["flux", "flux2"])
+def test_a_quantized_base_trains_fp32_lora_and_resumes_exactly(
+    family: str,
+    quantization: str,
+    tiny_flux_dir: Path,
+    tiny_flux2_dir: Path,
+) -> None:
+    """The QLoRA recipe on each flow family: the frozen transformer's linear layers in 4-bit
+    NF4 (bitsandbytes) or float8 (torchao), the adapters and AdamW's state in fp32, and a run
+    stopped at step 2 resumes to the same bits on the same kind of device."""
+    from lorafleet.worker.training import Trainer
+
+    if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.fail("fp8 needs compute capability 8.9 (Ada, Hopper): run on an H100/H200")
+    model = tiny_flux_dir if family == "flux" else tiny_flux2_dir
+    spec = tiny_spec(
+        max_train_steps=4,
+        model_family=family,
+        base_model=str(model),
+        base_quantization=quantization,
+        mixed_precision="bf16",
+        gradient_checkpointing=True,
+    )
+
+    def run(**kwargs: Any) -> Any:
+        recorder = kwargs.pop("recorder", Recorder())
+        trainer = Trainer(make_config(model, spec))
+        outcome = trainer.run(instance_images=instance_images(), hooks=recorder.hooks(), **kwargs)
+        return outcome, recorder
+
+    full, _ = run()
+    tensors = lora_tensors(full)
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in tensors.values())
+    stopped, _ = run(recorder=Recorder(stop_at=2))
+    assert isinstance(stopped, Stopped) and stopped.snapshot is not None
+    resumed, _ = run(resume=load_checkpoint(serialize_checkpoint(stopped.snapshot)))
+    assert same_tensors(tensors, lora_tensors(resumed))
+    config = make_config(model, spec)
+    components = load_components(config, resolve_runtime(config))
+    assert getattr(components.denoiser, "is_quantized", False)

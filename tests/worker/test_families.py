@@ -31,6 +31,7 @@ from lorafleet.worker.training.families import flux, flux2, sdxl
 from lorafleet.worker.training.resident import ResidentModel
 from tests.support.training import (
     SAMPLING_WARNING,
+    TEST_DEVICE,
     Recorder,
     instance_images,
     lora_tensors,
@@ -450,3 +451,16 @@ def test_one_step_is_the_published_flow_matching_step(family: str, models: dict[
         assert torch.equal(torch.sign(update[big]), -torch.sign(grad_b[big])), name
         checked += 1
     assert checked > 0
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "fp8"])
+def test_a_quantized_base_on_a_cpu_worker_is_refused_naming_the_field(
+    quantization: str, models: dict[str, Path]
+) -> None:
+    if TEST_DEVICE != "cpu":
+        return  # on a GPU run test_cuda.py trains it
+    model = models["flux"]
+    with pytest.raises(TrainingFailure) as refused:
+        run(model, family_spec("flux", model, base_quantization=quantization))
+    assert refused.value.failure_class is FailureClass.INPUT
+    assert str(refused.value).startswith(f"base_quantization: {quantization} needs a CUDA GPU")
