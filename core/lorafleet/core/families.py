@@ -98,8 +98,9 @@ REFUSED_HUB_IDS: dict[str, str] = {
 }
 
 # Activation memory in GiB per megapixel of one image, with and without gradient checkpointing:
-# estimates from published figures, not lorafleet's own measurements yet (docs/BENCHMARKS.md,
-# "Memory estimates"). Flux.1-dev: the QLoRA recipe (NF4, checkpointing, 1024 px) peaks at ~9 GB.
+# estimates from published figures, not lorafleet's own measurements yet
+# (docs/BENCHMARKS.md, "Memory estimates"). Flux.1-dev's QLoRA recipe (NF4, checkpointing,
+# 1024 px) peaks at ~9 GB.
 _ACTIVATION_GIB_PER_MP = {
     "sdxl": (1.0, 8.0),
     "flux": (1.5, 18.0),
