@@ -27,7 +27,7 @@ from lorafleet.worker.training import (
     load_checkpoint,
     serialize_checkpoint,
 )
-from lorafleet.worker.training.families import flux, flux2, sdxl
+from lorafleet.worker.training.families import flow, flux2, sdxl
 from lorafleet.worker.training.resident import ResidentModel
 from tests.support.training import (
     SAMPLING_WARNING,
@@ -245,8 +245,7 @@ def test_a_warm_worker_trains_each_family_as_a_cold_one(models: dict[str, Path])
 def test_a_non_finite_loss_never_becomes_a_checkpoint(
     family: str, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    module = {"flux": flux, "flux2": flux2}[family]
-    real = module.flow_loss
+    real = flow.flow_loss
     calls = 0
 
     def nan_from_the_third_step(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -255,7 +254,7 @@ def test_a_non_finite_loss_never_becomes_a_checkpoint(
         value: torch.Tensor = real(*args, **kwargs)
         return value * float("nan") if calls >= 3 else value
 
-    monkeypatch.setattr(module, "flow_loss", nan_from_the_third_step)
+    monkeypatch.setattr(flow, "flow_loss", nan_from_the_third_step)
     recorder = Recorder()
     model = models[family]
     with pytest.raises(TrainingFailure) as stopped:

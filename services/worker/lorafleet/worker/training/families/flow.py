@@ -12,9 +12,17 @@ generator, which the checkpoint stores, so a resumed run draws the same numbers.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from lorafleet.worker.training.failures import input_fault
+from lorafleet.worker.training.families.base import Components, Family, StepContext
+
+if TYPE_CHECKING:
+    from lorafleet.worker.training.config import TrainingConfig
+    from lorafleet.worker.training.data import Example
 
 
 def timestep_density(
@@ -106,3 +114,61 @@ def guidance_for(transformer: Any, spec: Any, default: float, batch: int) -> tor
         return None
     scale = spec.guidance_scale or default
     return torch.full((batch,), float(scale), device=transformer.device)
+
+
+class FlowMatching(Family):
+    """What the rectified-flow families share: their draws, their loss over the transformer's
+    unpacked prediction, their 2x2-patched resolution rule, frozen encoders that leave the
+    device once the prompts are cached, and a diffusers file of the peft keys prefixed by
+    pipeline name (as their pipelines' `save_lora_weights` writes diffusers' scripts' layers)."""
+
+    encoders_stay_on_device = False
+
+    def check(self, config: TrainingConfig, components: Components) -> None:
+        """The latents are packed in 2x2 patches: the image side must divide into them."""
+        multiple = vae_scale_factor(components) * 2
+        if config.spec.resolution % multiple:
+            raise input_fault(
+                f"resolution: {self.name} needs a multiple of {multiple} pixels"
+                f" (got {config.spec.resolution})"
+            )
+
+    def draw(
+        self,
+        latents: torch.Tensor,
+        generator: torch.Generator,
+        examples: list[Example],
+        run: Any,
+    ) -> tuple[torch.Tensor, ...]:
+        return draw_flow(latents, generator, run.components.noise_scheduler, run.spec)
+
+    def velocity_loss(
+        self,
+        run: StepContext,
+        prediction: torch.Tensor,
+        latents: torch.Tensor,
+        draws: Sequence[torch.Tensor],
+    ) -> torch.Tensor:
+        noise, _, sigmas = draws
+        return flow_loss(
+            prediction,
+            latents,
+            noise,
+            sigmas,
+            scheme=run.spec.weighting_scheme,
+            with_prior=run.num_class > 0,
+            prior_loss_weight=run.spec.prior_loss_weight,
+        )
+
+    def diffusers_state_dict(
+        self, peft_states: Mapping[str, dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}.{key}": tensor
+            for prefix, state in peft_states.items()
+            for key, tensor in state.items()
+        }
+
+
+def vae_scale_factor(components: Components) -> int:
+    return int(2 ** (len(components.vae.config.block_out_channels) - 1))

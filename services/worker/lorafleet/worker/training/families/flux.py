@@ -25,14 +25,17 @@ from lorafleet.worker.training.base_model import (
     transformers,
     weights,
 )
-from lorafleet.worker.training.failures import input_fault
-from lorafleet.worker.training.families.base import Components, Family, StepContext
-from lorafleet.worker.training.families.flow import draw_flow, flow_loss, guidance_for, noised
+from lorafleet.worker.training.families.base import Components, StepContext
+from lorafleet.worker.training.families.flow import (
+    FlowMatching,
+    guidance_for,
+    noised,
+    vae_scale_factor,
+)
 
 if TYPE_CHECKING:
     from lorafleet.core.spec import JobSpec
     from lorafleet.worker.training.config import Runtime, TrainingConfig
-    from lorafleet.worker.training.data import Example
 
 # diffusers' script's default targets: the double blocks' image and text attention and
 # feed-forwards; the single blocks' attention projections match the to_q/to_k/to_v suffixes.
@@ -57,12 +60,11 @@ def pipeline_default(name: str) -> Any:
     return inspect.signature(diffusers.FluxPipeline.__call__).parameters[name].default
 
 
-class Flux(Family):
+class Flux(FlowMatching):
     name = "flux"
     pipeline_class = "FluxPipeline"
     denoiser_name = "transformer"
     trainable_encoders = ("text_encoder",)
-    encoders_stay_on_device = False
 
     def load(self, config: TrainingConfig, runtime: Runtime) -> Components:
         ref = config.model_ref
@@ -119,9 +121,6 @@ class Flux(Family):
             sampler_config=sampler_config,
         )
 
-    def check(self, config: TrainingConfig, components: Components) -> None:
-        check_resolution(config, components)
-
     def denoiser_targets(self, denoiser: Any) -> tuple[str, ...]:
         return TRANSFORMER_TARGET_MODULES
 
@@ -165,15 +164,6 @@ class Flux(Family):
         config = components.vae.config
         return (mean + std * eps - float(config.shift_factor)) * float(config.scaling_factor)
 
-    def draw(
-        self,
-        latents: torch.Tensor,
-        generator: torch.Generator,
-        examples: list[Example],
-        run: Any,
-    ) -> tuple[torch.Tensor, ...]:
-        return draw_flow(latents, generator, run.components.noise_scheduler, run.spec)
-
     def loss(
         self,
         run: StepContext,
@@ -211,32 +201,16 @@ class Flux(Family):
         prediction = pipeline._unpack_latents(
             prediction, height=height * scale, width=width * scale, vae_scale_factor=scale
         )
-        return flow_loss(
-            prediction,
-            latents,
-            noise,
-            sigmas,
-            scheme=spec.weighting_scheme,
-            with_prior=run.num_class > 0,
-            prior_loss_weight=spec.prior_loss_weight,
-        )
-
-    def diffusers_state_dict(
-        self, peft_states: Mapping[str, dict[str, torch.Tensor]]
-    ) -> dict[str, torch.Tensor]:
-        # As FluxPipeline.save_lora_weights writes the script's layers: peft keys, prefixed.
-        return {
-            f"{prefix}.{key}": tensor
-            for prefix, state in peft_states.items()
-            for key, tensor in state.items()
-        }
+        return self.velocity_loss(run, prediction, latents, draws)
 
     def kohya_state_dict(
         self, peft_states: Mapping[str, dict[str, torch.Tensor]], alphas: Mapping[str, float]
     ) -> dict[str, torch.Tensor]:
         """`lora_transformer_<module path with _>` and `lora_te1_...` keys with lora_down /
-        lora_up and an `.alpha` (OneTrainer's layout for Flux): ComfyUI maps them onto its
-        Flux model and diffusers' `FluxPipeline.load_lora_weights` converts them."""
+        lora_up and an `.alpha` (OneTrainer's layout for FLUX.1), which ComfyUI maps onto every
+        linear layer of its Flux model. (diffusers' converter of this layout covers attention
+        layers only; its kohya sd-scripts converter only FLUX.1-dev's full size: use the
+        diffusers file there.)"""
         return kohya_layout(
             peft_states, alphas, {"transformer": "lora_transformer", "text_encoder": "lora_te1"}
         )
@@ -261,20 +235,6 @@ class Flux(Family):
         if negative_prompt:
             arguments |= {"negative_prompt": negative_prompt, "true_cfg_scale": 2.0}
         return arguments
-
-
-def vae_scale_factor(components: Components) -> int:
-    return int(2 ** (len(components.vae.config.block_out_channels) - 1))
-
-
-def check_resolution(config: TrainingConfig, components: Components) -> None:
-    """The latents are packed in 2x2 patches: the image side must divide into them."""
-    multiple = vae_scale_factor(components) * 2
-    if config.spec.resolution % multiple:
-        raise input_fault(
-            f"resolution: {config.spec.family} needs a multiple of {multiple} pixels"
-            f" (got {config.spec.resolution})"
-        )
 
 
 def kohya_layout(

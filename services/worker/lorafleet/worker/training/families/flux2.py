@@ -29,14 +29,12 @@ from lorafleet.worker.training.base_model import (
     transformers,
     weights,
 )
-from lorafleet.worker.training.families.base import Components, Family, StepContext
-from lorafleet.worker.training.families.flow import draw_flow, flow_loss, guidance_for, noised
-from lorafleet.worker.training.families.flux import check_resolution
+from lorafleet.worker.training.families.base import Components, StepContext
+from lorafleet.worker.training.families.flow import FlowMatching, guidance_for, noised
 
 if TYPE_CHECKING:
     from lorafleet.core.spec import JobSpec
     from lorafleet.worker.training.config import Runtime, TrainingConfig
-    from lorafleet.worker.training.data import Example
 
 
 def pipeline_default(name: str, method: str = "encode_prompt") -> Any:
@@ -46,12 +44,11 @@ def pipeline_default(name: str, method: str = "encode_prompt") -> Any:
     return signature.parameters[name].default
 
 
-class Flux2(Family):
+class Flux2(FlowMatching):
     name = "flux2"
     pipeline_class = "Flux2KleinPipeline"
     denoiser_name = "transformer"
     trainable_encoders = ()
-    encoders_stay_on_device = False
     # The script trains on the posterior's mean (`latent_dist.mode()`).
     samples_latents = False
 
@@ -100,9 +97,6 @@ class Flux2(Family):
             noise_scheduler=noise_scheduler,
             sampler_config=sampler_config,
         )
-
-    def check(self, config: TrainingConfig, components: Components) -> None:
-        check_resolution(config, components)
 
     def denoiser_targets(self, denoiser: Any) -> tuple[str, ...]:
         """The script's: the double blocks' image attention, and each single block's fused
@@ -174,15 +168,6 @@ class Flux2(Family):
         normalised: torch.Tensor = (patched - shift.to(patched.device)) / spread.to(patched.device)
         return normalised
 
-    def draw(
-        self,
-        latents: torch.Tensor,
-        generator: torch.Generator,
-        examples: list[Example],
-        run: Any,
-    ) -> tuple[torch.Tensor, ...]:
-        return draw_flow(latents, generator, run.components.noise_scheduler, run.spec)
-
     def loss(
         self,
         run: StepContext,
@@ -214,24 +199,7 @@ class Flux2(Family):
         prediction = prediction[:, : packed.size(1)]
         height, width = latents.shape[2:]
         prediction = pipeline._unpack_latents_with_ids(prediction, latent_ids, height, width)
-        return flow_loss(
-            prediction,
-            latents,
-            noise,
-            sigmas,
-            scheme=spec.weighting_scheme,
-            with_prior=run.num_class > 0,
-            prior_loss_weight=spec.prior_loss_weight,
-        )
-
-    def diffusers_state_dict(
-        self, peft_states: Mapping[str, dict[str, torch.Tensor]]
-    ) -> dict[str, torch.Tensor]:
-        return {
-            f"{prefix}.{key}": tensor
-            for prefix, state in peft_states.items()
-            for key, tensor in state.items()
-        }
+        return self.velocity_loss(run, prediction, latents, draws)
 
     def kohya_state_dict(
         self, peft_states: Mapping[str, dict[str, torch.Tensor]], alphas: Mapping[str, float]
