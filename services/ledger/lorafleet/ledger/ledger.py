@@ -47,6 +47,7 @@ from lorafleet.core.model import (
     WarmState,
 )
 from lorafleet.core.spec import JobShape, JobSpec
+from lorafleet.ledger.rows import record
 
 
 def load_queries() -> dict[str, str]:
@@ -332,10 +333,6 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
-def _opt_str(value: Any) -> str | None:
-    return None if value is None else str(value)
-
-
 def job_from_row(row: asyncpg.Record) -> Job:
     spec = JobSpec.from_dict(row["spec"])
     checkpoint = None
@@ -363,15 +360,11 @@ def job_from_row(row: asyncpg.Record) -> Job:
             sha256=row["result_sha256"],
             kohya=kohya,
         )
-    return Job(
-        job_id=str(row["job_id"]),
-        owner=row["owner"],
+    return record(
+        Job,
+        row,
         spec=spec,
         state=JobState(row["state"]),
-        epoch=row["epoch"],
-        failures=row["failures"],
-        node_faults=row["node_faults"],
-        max_node_faults=row["max_node_faults"],
         progress=Progress(
             step=row["progress_step"],
             max_steps=row["max_train_steps"],
@@ -383,14 +376,7 @@ def job_from_row(row: asyncpg.Record) -> Job:
         ),
         latest_checkpoint=checkpoint,
         result=result,
-        error=row["error"],
         failure_class=FailureClass(row["failure_class"]) if row["failure_class"] else None,
-        machine_id=row["machine_id"],
-        lease_id=_opt_str(row["lease_id"]),
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        finished_at=row["finished_at"],
-        traceparent=row["traceparent"],
         gpu_seconds=float(row["gpu_seconds"] or 0) if "gpu_seconds" in row else None,
     )
 
@@ -405,18 +391,10 @@ def event_from_row(row: asyncpg.Record) -> JobEvent:
             size_bytes=row["checkpoint_bytes"] or 0,
             sha256=row["checkpoint_sha256"] or "",
         )
-    return JobEvent(
-        event_id=row["event_id"],
-        job_id=str(row["job_id"]),
+    return record(
+        JobEvent,
+        row,
         kind=EventKind(row["kind"]),
-        at=row["at"],
-        machine_id=row["machine_id"],
-        lease_id=_opt_str(row["lease_id"]),
-        epoch=row["epoch"],
-        step=row["step"],
-        loss=row["loss"],
-        seconds_per_step=row["seconds_per_step"],
-        message=row["message"],
         failure_class=FailureClass(row["failure_class"]) if row["failure_class"] else None,
         state=JobState(row["state"]) if row["state"] else None,
         checkpoint=checkpoint,
@@ -424,14 +402,7 @@ def event_from_row(row: asyncpg.Record) -> JobEvent:
 
 
 def checkpoint_from_row(row: asyncpg.Record) -> Checkpoint:
-    return Checkpoint(
-        step=row["step"],
-        epoch=row["epoch"],
-        key=row["key"],
-        size_bytes=row["size_bytes"],
-        sha256=row["sha256"],
-        committed_at=row["committed_at"],
-    )
+    return record(Checkpoint, row)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -510,7 +481,7 @@ class Ledger:
             row: asyncpg.Record | None = await conn.fetchrow(QUERIES[query], *args)
             return row
 
-    # API keys ---------------------------------------------------------------------------------
+    # API keys ------------------------------------------------------------------------------------
 
     async def insert_api_key(
         self,
@@ -540,23 +511,27 @@ class Ledger:
         row = await self._fetchrow("get_api_key", key_id)
         if row is None:
             return None
-        return ApiKeyRecord(
-            key_id=row["key_id"], owner=row["owner"], secret_sha256=bytes(row["secret_sha256"])
-        )
+        return record(ApiKeyRecord, row)
 
     async def key_spending(self, key_id: str) -> KeySpending:
         row = await self._fetchrow("key_spending", key_id)
         if row is None:
             return KeySpending(spend_limit_dollars=None, gpu_seconds=0.0)
-        return KeySpending(
-            spend_limit_dollars=row["spend_limit_dollars"], gpu_seconds=row["gpu_seconds"]
-        )
+        return record(KeySpending, row)
 
     async def key_unfinished_work(self, key_id: str) -> list[ShapeWork]:
         return [
             ShapeWork(shape=JobSpec.from_dict(r["spec"]).shape, steps=r["steps"])
             for r in await self._fetch("key_unfinished_work", key_id)
         ]
+
+    async def revoke_api_key(self, key_id: str) -> bool:
+        return await self._fetchrow("revoke_api_key", key_id) is not None
+
+    async def list_api_keys(self) -> list[ApiKeyInfo]:
+        return [record(ApiKeyInfo, r) for r in await self._fetch("list_api_keys")]
+
+    # Fleet figures: paces and interruptions ------------------------------------------------------
 
     async def pace_for_shape(
         self,
@@ -572,29 +547,14 @@ class Ledger:
             "pace_for_shape", window_s, shape_key, min_seconds_per_step, api_key_id or ""
         )
         assert row is not None
-        return ShapePace(machines=row["machines"], seconds_per_step=row["seconds_per_step"])
+        return record(ShapePace, row)
 
     async def interruptions_for_gpu(self, gpu_model: str, *, window_s: float) -> Interruptions:
         row = await self._fetchrow("interruptions_for_gpu", window_s, gpu_model)
         assert row is not None
-        return Interruptions(interruptions=row["interruptions"], lease_seconds=row["lease_seconds"])
+        return record(Interruptions, row)
 
-    async def revoke_api_key(self, key_id: str) -> bool:
-        return await self._fetchrow("revoke_api_key", key_id) is not None
-
-    async def list_api_keys(self) -> list[ApiKeyInfo]:
-        return [
-            ApiKeyInfo(
-                key_id=r["key_id"],
-                owner=r["owner"],
-                created_at=r["created_at"],
-                revoked_at=r["revoked_at"],
-                webhook_url=r["webhook_url"],
-            )
-            for r in await self._fetch("list_api_keys")
-        ]
-
-    # Jobs -------------------------------------------------------------------------------------
+    # Jobs ----------------------------------------------------------------------------------------
 
     async def insert_jobs(
         self, owner: str, jobs: Sequence[NewJob], *, api_key_id: str | None = None
@@ -686,7 +646,7 @@ class Ledger:
             row = await conn.fetchrow(QUERIES["cancel_job"], uuid.UUID(job_id), owner)
         return None if row is None else job_from_row(row)
 
-    # Leases (the worker stream) ---------------------------------------------------------------
+    # Leases (the worker stream) ------------------------------------------------------------------
 
     async def claim_job(
         self,
@@ -769,29 +729,11 @@ class Ledger:
 
     async def expire_leases(self) -> list[ExpiredLease]:
         rows = await self._fetch("expire_leases")
-        return [
-            ExpiredLease(
-                job_id=str(r["job_id"]),
-                lease_id=str(r["lease_id"]),
-                machine_id=r["machine_id"],
-                epoch=r["epoch"],
-            )
-            for r in rows
-        ]
+        return [record(ExpiredLease, r) for r in rows]
 
     async def stall_leases(self, progress_timeout_s: float) -> list[StalledLease]:
         rows = await self._fetch("stall_leases", progress_timeout_s)
-        return [
-            StalledLease(
-                job_id=str(r["job_id"]),
-                lease_id=str(r["lease_id"]),
-                machine_id=r["machine_id"],
-                epoch=r["epoch"],
-                job_state=JobState(r["new_state"]),
-                silent_s=r["silent_s"],
-            )
-            for r in rows
-        ]
+        return [record(StalledLease, r, job_state=JobState(r["new_state"])) for r in rows]
 
     async def drain_lease(self, lease_id: str, epoch: int, reason: str) -> Job | None:
         row = await self._fetchrow("drain_lease", _uuid_or_nil(lease_id), epoch, reason)
@@ -842,16 +784,7 @@ class Ledger:
     async def recorded_class_images(self, job_id: str, epoch: int) -> list[ClassImage]:
         """The class images leases before `epoch` recorded, the newest per index, by index."""
         rows = await self._fetch("recorded_class_images", uuid.UUID(job_id), epoch)
-        return [
-            ClassImage(
-                index=r["image_index"],
-                epoch=r["epoch"],
-                key=r["key"],
-                size_bytes=r["size_bytes"],
-                sha256=r["sha256"],
-            )
-            for r in rows
-        ]
+        return [record(ClassImage, r, index=r["image_index"]) for r in rows]
 
     async def succeed_job(
         self, lease_id: str, epoch: int, result: JobResult, *, step: int, loss: float | None
@@ -871,7 +804,268 @@ class Ledger:
         )
         return None if row is None else job_from_row(row)
 
-    # Sample tasks -------------------------------------------------------------------
+    async def set_lease_interval(self, lease_id: str, epoch: int, steps: int, notice: str) -> bool:
+        """Records the checkpoint interval chosen for a live lease (checkpointing_steps auto):
+        the stall bound and its progress rule follow what the holder was told; `notice` (what
+        it was chosen from) goes on the job's timeline with it."""
+        row = await self._fetchrow(
+            "set_lease_interval", _uuid_or_nil(lease_id), epoch, steps, notice
+        )
+        return row is not None
+
+    async def record_notice(self, lease_id: str, epoch: int, message: str) -> None:
+        async with self._conn() as conn:
+            await conn.execute(QUERIES["record_notice"], _uuid_or_nil(lease_id), epoch, message)
+
+    async def lease_is_live(self, lease_id: str) -> bool:
+        row = await self._fetchrow("lease_is_live", _uuid_or_nil(lease_id))
+        return bool(row is not None and row[0])
+
+    # Checkpoint retention ------------------------------------------------------------------------
+
+    async def live_checkpoints(self, job_id: str) -> list[Checkpoint]:
+        return [
+            checkpoint_from_row(r) for r in await self._fetch("live_checkpoints", uuid.UUID(job_id))
+        ]
+
+    async def checkpoints_to_delete(self, job_id: str, keep: int) -> list[str]:
+        rows = await self._fetch("checkpoints_to_delete", uuid.UUID(job_id), keep)
+        return [r["key"] for r in rows]
+
+    async def jobs_to_sweep(self, limit: int, url_ttl_s: float) -> list[tuple[str, set[str]]]:
+        """(job id, recorded result keys) of finished jobs whose storage is due a sweep."""
+        rows = await self._fetch("jobs_to_sweep", limit, url_ttl_s)
+        return [
+            (str(r["job_id"]), {k for k in (r["result_key"], r["result_kohya_key"]) if k})
+            for r in rows
+        ]
+
+    async def mark_storage_swept(self, job_id: str) -> None:
+        async with self._conn() as conn:
+            await conn.execute(QUERIES["mark_storage_swept"], uuid.UUID(job_id))
+
+    async def finished_jobs_with_checkpoints(self, limit: int) -> list[str]:
+        return [
+            str(r["job_id"]) for r in await self._fetch("finished_jobs_with_checkpoints", limit)
+        ]
+
+    async def mark_checkpoints_deleted(self, job_id: str, keys: Sequence[str]) -> None:
+        async with self._conn() as conn:
+            await conn.execute(QUERIES["mark_checkpoints_deleted"], uuid.UUID(job_id), list(keys))
+
+    # Machines and replicas -----------------------------------------------------------------------
+
+    async def upsert_machine(self, machine: Machine, qualification: Qualification) -> None:
+        async with self._conn() as conn:
+            await conn.execute(
+                QUERIES["upsert_machine"],
+                machine.machine_id,
+                machine.provider_instance_id,
+                machine.gpu_model,
+                machine.vram_mb,
+                machine.qualified,
+                qualification.to_json(),
+                machine.version,
+            )
+
+    async def touch_machine(self, machine_id: str, session_sha256: bytes | None) -> None:
+        async with self._conn() as conn:
+            await conn.execute(QUERIES["touch_machine"], machine_id, session_sha256)
+
+    async def expire_machines(self, silent_s: float) -> list[str]:
+        """Deletes never-verified machines silent for `silent_s` that nothing names (see the
+        query); returns their ids."""
+        return [str(r["machine_id"]) for r in await self._fetch("expire_machines", silent_s)]
+
+    async def claim_machine_session(
+        self,
+        machine_id: str,
+        *,
+        presented_sha256: bytes | None,
+        new_sha256: bytes,
+        silent_s: float,
+        identity_provider: str = "",
+    ) -> bool:
+        """True if this stream now holds the machine id (see the query for the rule);
+        `identity_provider` names who vouched for the stream's id ("": nobody)."""
+        row = await self._fetchrow(
+            "claim_machine_session",
+            machine_id,
+            presented_sha256,
+            new_sha256,
+            silent_s,
+            identity_provider,
+        )
+        return row is not None
+
+    async def release_machine_session(self, machine_id: str, session_sha256: bytes) -> None:
+        """The stream holding `session_sha256` left after draining: the id is free at once."""
+        await self._fetch("release_machine_session", machine_id, session_sha256)
+
+    async def start_replica(self, replica_id: str, lease_ttl_s: float, down_after_s: float) -> int:
+        """Registers a starting replica. If none was seen for `down_after_s`, every running
+        lease gets at least a TTL from now. Returns how many leases were extended."""
+        row = await self._fetchrow("start_replica", replica_id, lease_ttl_s, down_after_s)
+        assert row is not None
+        extended: int = row[0]
+        return extended
+
+    async def touch_replica(self, replica_id: str) -> None:
+        async with self._conn() as conn:
+            await conn.execute(QUERIES["touch_replica"], replica_id)
+
+    async def attend_replica(self, replica_id: str, lease_ttl_s: float, down_after_s: float) -> int:
+        """Replica `replica_id` reaches the ledger. If no replica had for `down_after_s` (the
+        ledger's clock), every lease live when one last had gets at least a TTL from now: a
+        lease's TTL counts only time in which its holder could have been heard. Returns how
+        many job leases were extended."""
+        row = await self._fetchrow("attend_replica", replica_id, lease_ttl_s, down_after_s)
+        assert row is not None
+        extended: int = row[0]
+        return extended
+
+    # The timeline and counts ---------------------------------------------------------------------
+
+    async def list_events(self, job_id: str, after_event_id: int, limit: int) -> list[JobEvent]:
+        rows = await self._fetch("list_events", uuid.UUID(job_id), after_event_id, limit)
+        return [event_from_row(r) for r in rows]
+
+    async def count_queued(self, limit: int) -> int:
+        row = await self._fetchrow("count_queued", limit)
+        assert row is not None
+        count: int = row[0]
+        return count
+
+    async def count_jobs_by_state(self, cap: int) -> dict[str, int]:
+        rows = await self._fetch("count_jobs_by_state", cap)
+        return {str(r[0]): int(r[1]) for r in rows}
+
+    async def job_leases(self, job_id: str) -> list[LeaseRecord]:
+        """Every lease the job was ever granted, oldest first."""
+        return [record(LeaseRecord, r) for r in await self._fetch("job_leases", uuid.UUID(job_id))]
+
+    # Webhook outbox ------------------------------------------------------------------------------
+
+    async def claim_webhook_deliveries(self, limit: int, claim_s: float) -> list[WebhookDelivery]:
+        rows = await self._fetch("claim_webhook_deliveries", limit, claim_s)
+        return [record(WebhookDelivery, r, secret=r["webhook_secret"]) for r in rows]
+
+    async def webhook_delivered(self, delivery_id: int, status: int) -> None:
+        await self._fetch("webhook_delivered", delivery_id, status)
+
+    async def webhook_failed(
+        self, delivery_id: int, status: int | None, error: str, retry_in_s: float | None
+    ) -> None:
+        """Records a failed attempt; `retry_in_s` None gives up on the delivery."""
+        await self._fetch("webhook_failed", delivery_id, status, error[:2000], retry_in_s)
+
+    async def next_webhook_due(self) -> float | None:
+        row = await self._fetchrow("next_webhook_due")
+        return None if row is None or row[0] is None else float(row[0])
+
+    async def list_webhook_deliveries(self, job_id: str) -> list[WebhookDeliveryRecord]:
+        return [
+            record(WebhookDeliveryRecord, r)
+            for r in await self._fetch("list_webhook_deliveries", uuid.UUID(job_id))
+        ]
+
+    # The scaler ----------------------------------------------------------------------------------
+
+    async def drop_lease(self, machine_id: str, job_id: str, reason: str) -> Job | None:
+        """Ends machine's lease on the job, re-queues it from its checkpoint (no failure
+        counted) and bans the machine for it; None when the machine holds no such lease."""
+        row = await self._fetchrow("drop_lease", machine_id, _uuid_or_nil(job_id), reason)
+        return None if row is None else job_from_row(row)
+
+    async def list_nodes(
+        self, machine_ids: Sequence[str] | None, *, fault_window_s: float, limit: int
+    ) -> list[NodeRecord]:
+        """These machines (None: every one, most recently seen first)."""
+        rows = await self._fetch(
+            "list_nodes",
+            None if machine_ids is None else list(machine_ids),
+            fault_window_s,
+            limit,
+        )
+        return [record(NodeRecord, r) for r in rows]
+
+    async def pace_observations(self, window_s: float, limit: int) -> list[PaceRecord]:
+        rows = await self._fetch("pace_observations", window_s, limit)
+        # One spec read per distinct shape key, not per lease (a tick reads thousands).
+        shapes: dict[str, JobShape] = {}
+        for r in rows:
+            if r["shape_key"] not in shapes:
+                shapes[r["shape_key"]] = JobSpec.from_dict(r["spec"]).shape
+        return [record(PaceRecord, r, shape=shapes[r["shape_key"]]) for r in rows]
+
+    async def pace_references(self) -> list[PaceReference]:
+        rows = await self._fetch("pace_references")
+        return [record(PaceReference, r) for r in rows]
+
+    async def set_pace_reference(
+        self, gpu_class: str, seconds_per_step: float, machines: int, at: float
+    ) -> None:
+        await self._fetch("set_pace_reference", gpu_class, seconds_per_step, machines, at)
+
+    async def scaler_work(self, listed_machines: Sequence[str]) -> ScalerWork:
+        """Work for the fleet; `listed_machines`: the machine ids of the provider's instances."""
+        row = await self._fetchrow("scaler_work", list(listed_machines))
+        assert row is not None
+        return record(ScalerWork, row)
+
+    async def banned_queued_jobs(self, limit: int) -> list[BannedQueuedJob]:
+        return [record(BannedQueuedJob, r) for r in await self._fetch("banned_queued_jobs", limit)]
+
+    async def record_scaler_decision(
+        self,
+        *,
+        at: float,
+        scaler_id: str,
+        action: str,
+        target: str,
+        job_id: str | None,
+        reason: str,
+        figures: Mapping[str, Any],
+        fold_key: str = "",
+        error: str | None = None,
+        fold_into: int | None = None,
+    ) -> tuple[int, bool]:
+        """(row id, whether it folded into row `fold_into`: the same HOLD of the same scaler,
+        repeated from its previous tick, when that row is still the target's newest)."""
+        row = await self._fetchrow(
+            "record_scaler_decision",
+            at,
+            scaler_id,
+            action,
+            target,
+            None if job_id is None else _uuid_or_nil(job_id),
+            reason,
+            dict(figures),
+            fold_key,
+            error,
+            fold_into,
+        )
+        assert row is not None
+        return int(row["decision_id"]), bool(row["folded"])
+
+    async def finish_scaler_decision(
+        self, decision_id: int, *, applied: bool, error: str | None, at: float | None = None
+    ) -> None:
+        """Records the outcome; `at` (epoch s): when an applied action took effect."""
+        await self._fetch("finish_scaler_decision", decision_id, applied, error, at)
+
+    async def recent_scaler_actions(self, since: float) -> list[ScalerAction]:
+        """What the scaler carried out since `since` (epoch seconds), oldest first."""
+        return [record(ScalerAction, r) for r in await self._fetch("recent_scaler_actions", since)]
+
+    async def list_scaler_decisions(self, limit: int) -> list[ScalerDecisionRecord]:
+        """The newest decisions, newest first."""
+        return [
+            record(ScalerDecisionRecord, r)
+            for r in await self._fetch("list_scaler_decisions", limit)
+        ]
+
+    # Sample tasks --------------------------------------------------------------------------------
 
     async def claim_sample_task(
         self,
@@ -968,369 +1162,6 @@ class Ledger:
         )
         return sorted(int(r["step"]) for r in rows)
 
-    # Checkpoint retention ---------------------------------------------------------------------
-
-    async def live_checkpoints(self, job_id: str) -> list[Checkpoint]:
-        return [
-            checkpoint_from_row(r) for r in await self._fetch("live_checkpoints", uuid.UUID(job_id))
-        ]
-
-    async def checkpoints_to_delete(self, job_id: str, keep: int) -> list[str]:
-        rows = await self._fetch("checkpoints_to_delete", uuid.UUID(job_id), keep)
-        return [r["key"] for r in rows]
-
-    async def jobs_to_sweep(self, limit: int, url_ttl_s: float) -> list[tuple[str, set[str]]]:
-        """(job id, recorded result keys) of finished jobs whose storage is due a sweep."""
-        rows = await self._fetch("jobs_to_sweep", limit, url_ttl_s)
-        return [
-            (str(r["job_id"]), {k for k in (r["result_key"], r["result_kohya_key"]) if k})
-            for r in rows
-        ]
-
-    async def mark_storage_swept(self, job_id: str) -> None:
-        async with self._conn() as conn:
-            await conn.execute(QUERIES["mark_storage_swept"], uuid.UUID(job_id))
-
-    async def finished_jobs_with_checkpoints(self, limit: int) -> list[str]:
-        return [
-            str(r["job_id"]) for r in await self._fetch("finished_jobs_with_checkpoints", limit)
-        ]
-
-    async def mark_checkpoints_deleted(self, job_id: str, keys: Sequence[str]) -> None:
-        async with self._conn() as conn:
-            await conn.execute(QUERIES["mark_checkpoints_deleted"], uuid.UUID(job_id), list(keys))
-
-    # Machines and events ----------------------------------------------------------------------
-
-    async def upsert_machine(self, machine: Machine, qualification: Qualification) -> None:
-        async with self._conn() as conn:
-            await conn.execute(
-                QUERIES["upsert_machine"],
-                machine.machine_id,
-                machine.provider_instance_id,
-                machine.gpu_model,
-                machine.vram_mb,
-                machine.qualified,
-                qualification.to_json(),
-                machine.version,
-            )
-
-    async def touch_machine(self, machine_id: str, session_sha256: bytes | None) -> None:
-        async with self._conn() as conn:
-            await conn.execute(QUERIES["touch_machine"], machine_id, session_sha256)
-
-    async def expire_machines(self, silent_s: float) -> list[str]:
-        """Deletes never-verified machines silent for `silent_s` that nothing names (see the
-        query); returns their ids."""
-        return [str(r["machine_id"]) for r in await self._fetch("expire_machines", silent_s)]
-
-    async def claim_machine_session(
-        self,
-        machine_id: str,
-        *,
-        presented_sha256: bytes | None,
-        new_sha256: bytes,
-        silent_s: float,
-        identity_provider: str = "",
-    ) -> bool:
-        """True if this stream now holds the machine id (see the query for the rule);
-        `identity_provider` names who vouched for the stream's id ("": nobody)."""
-        row = await self._fetchrow(
-            "claim_machine_session",
-            machine_id,
-            presented_sha256,
-            new_sha256,
-            silent_s,
-            identity_provider,
-        )
-        return row is not None
-
-    async def release_machine_session(self, machine_id: str, session_sha256: bytes) -> None:
-        """The stream holding `session_sha256` left after draining: the id is free at once."""
-        await self._fetch("release_machine_session", machine_id, session_sha256)
-
-    async def start_replica(self, replica_id: str, lease_ttl_s: float, down_after_s: float) -> int:
-        """Registers a starting replica. If none was seen for `down_after_s`, every running
-        lease gets at least a TTL from now. Returns how many leases were extended."""
-        row = await self._fetchrow("start_replica", replica_id, lease_ttl_s, down_after_s)
-        assert row is not None
-        extended: int = row[0]
-        return extended
-
-    async def record_notice(self, lease_id: str, epoch: int, message: str) -> None:
-        async with self._conn() as conn:
-            await conn.execute(QUERIES["record_notice"], _uuid_or_nil(lease_id), epoch, message)
-
-    async def set_lease_interval(self, lease_id: str, epoch: int, steps: int, notice: str) -> bool:
-        """Records the checkpoint interval chosen for a live lease (checkpointing_steps auto):
-        the stall bound and its progress rule follow what the holder was told; `notice` (what
-        it was chosen from) goes on the job's timeline with it."""
-        row = await self._fetchrow(
-            "set_lease_interval", _uuid_or_nil(lease_id), epoch, steps, notice
-        )
-        return row is not None
-
-    async def lease_is_live(self, lease_id: str) -> bool:
-        row = await self._fetchrow("lease_is_live", _uuid_or_nil(lease_id))
-        return bool(row is not None and row[0])
-
-    async def touch_replica(self, replica_id: str) -> None:
-        async with self._conn() as conn:
-            await conn.execute(QUERIES["touch_replica"], replica_id)
-
-    async def attend_replica(self, replica_id: str, lease_ttl_s: float, down_after_s: float) -> int:
-        """Replica `replica_id` reaches the ledger. If no replica had for `down_after_s` (the
-        ledger's clock), every lease live when one last had gets at least a TTL from now: a
-        lease's TTL counts only time in which its holder could have been heard. Returns how
-        many job leases were extended."""
-        row = await self._fetchrow("attend_replica", replica_id, lease_ttl_s, down_after_s)
-        assert row is not None
-        extended: int = row[0]
-        return extended
-
-    async def list_events(self, job_id: str, after_event_id: int, limit: int) -> list[JobEvent]:
-        rows = await self._fetch("list_events", uuid.UUID(job_id), after_event_id, limit)
-        return [event_from_row(r) for r in rows]
-
-    async def count_queued(self, limit: int) -> int:
-        row = await self._fetchrow("count_queued", limit)
-        assert row is not None
-        count: int = row[0]
-        return count
-
-    async def count_jobs_by_state(self, cap: int) -> dict[str, int]:
-        rows = await self._fetch("count_jobs_by_state", cap)
-        return {str(r[0]): int(r[1]) for r in rows}
-
-    # Webhook outbox -------------------------------------------------------------------------
-
-    async def claim_webhook_deliveries(self, limit: int, claim_s: float) -> list[WebhookDelivery]:
-        rows = await self._fetch("claim_webhook_deliveries", limit, claim_s)
-        return [
-            WebhookDelivery(
-                delivery_id=r["delivery_id"],
-                job_id=str(r["job_id"]),
-                event=r["event"],
-                url=r["url"],
-                payload=r["payload"],
-                attempts=r["attempts"],
-                secret=r["webhook_secret"],
-            )
-            for r in rows
-        ]
-
-    async def webhook_delivered(self, delivery_id: int, status: int) -> None:
-        await self._fetch("webhook_delivered", delivery_id, status)
-
-    async def webhook_failed(
-        self, delivery_id: int, status: int | None, error: str, retry_in_s: float | None
-    ) -> None:
-        """Records a failed attempt; `retry_in_s` None gives up on the delivery."""
-        await self._fetch("webhook_failed", delivery_id, status, error[:2000], retry_in_s)
-
-    async def next_webhook_due(self) -> float | None:
-        row = await self._fetchrow("next_webhook_due")
-        return None if row is None or row[0] is None else float(row[0])
-
-    async def list_webhook_deliveries(self, job_id: str) -> list[WebhookDeliveryRecord]:
-        return [
-            WebhookDeliveryRecord(
-                delivery_id=r["delivery_id"],
-                event=r["event"],
-                url=r["url"],
-                attempts=r["attempts"],
-                last_status=r["last_status"],
-                last_error=r["last_error"],
-                delivered_at=r["delivered_at"],
-                gave_up_at=r["gave_up_at"],
-                created_at=r["created_at"],
-                next_attempt_at=r["next_attempt_at"],
-            )
-            for r in await self._fetch("list_webhook_deliveries", uuid.UUID(job_id))
-        ]
-
-    async def job_leases(self, job_id: str) -> list[LeaseRecord]:
-        """Every lease the job was ever granted, oldest first."""
-        return [
-            LeaseRecord(
-                lease_id=str(r["lease_id"]),
-                job_id=str(r["job_id"]),
-                epoch=r["epoch"],
-                machine_id=r["machine_id"],
-                granted_at=r["granted_at"],
-                last_heartbeat_at=r["last_heartbeat_at"],
-                ended_at=r["ended_at"],
-                end_reason=r["end_reason"],
-            )
-            for r in await self._fetch("job_leases", uuid.UUID(job_id))
-        ]
-
-    # The scaler ---------------------------------------------------------------------------
-
-    async def drop_lease(self, machine_id: str, job_id: str, reason: str) -> Job | None:
-        """Ends machine's lease on the job, re-queues it from its checkpoint (no failure
-        counted) and bans the machine for it; None when the machine holds no such lease."""
-        row = await self._fetchrow("drop_lease", machine_id, _uuid_or_nil(job_id), reason)
-        return None if row is None else job_from_row(row)
-
-    async def list_nodes(
-        self, machine_ids: Sequence[str] | None, *, fault_window_s: float, limit: int
-    ) -> list[NodeRecord]:
-        """These machines (None: every one, most recently seen first)."""
-        rows = await self._fetch(
-            "list_nodes",
-            None if machine_ids is None else list(machine_ids),
-            fault_window_s,
-            limit,
-        )
-        return [
-            NodeRecord(
-                machine_id=r["machine_id"],
-                provider_instance_id=r["provider_instance_id"],
-                identity_provider=r["identity_provider"],
-                gpu_model=r["gpu_model"],
-                vram_mb=r["vram_mb"],
-                qualified=r["qualified"],
-                qualification_detail=r["qualification_detail"],
-                version=r["version"],
-                first_seen_at=r["first_seen_at"],
-                last_seen_at=r["last_seen_at"],
-                lease_job_id=_opt_str(r["lease_job_id"]),
-                node_faults=r["node_faults"],
-                recent_fault_times=tuple(r["recent_fault_times"]),
-                jobs_finished=r["jobs_finished"],
-            )
-            for r in rows
-        ]
-
-    async def pace_observations(self, window_s: float, limit: int) -> list[PaceRecord]:
-        rows = await self._fetch("pace_observations", window_s, limit)
-        # One spec read per distinct shape key, not per lease (a tick reads thousands).
-        shapes: dict[str, JobShape] = {}
-        for r in rows:
-            if r["shape_key"] not in shapes:
-                shapes[r["shape_key"]] = JobSpec.from_dict(r["spec"]).shape
-        return [
-            PaceRecord(
-                machine_id=r["machine_id"],
-                job_id=str(r["job_id"]),
-                epoch=r["epoch"],
-                live=r["live"],
-                observed_steps=r["observed_steps"],
-                observed_seconds=r["observed_seconds"],
-                completed_steps=r["completed_steps"],
-                completed_seconds=r["completed_seconds"],
-                reported_seconds_per_step=r["reported_seconds_per_step"],
-                reported_steps=r["reported_steps"],
-                shape=shapes[r["shape_key"]],
-                step_compiled=r["step_compiled"],
-                gpu_class=r["gpu_class"],
-                identity_provider=r["identity_provider"],
-            )
-            for r in rows
-        ]
-
-    async def pace_references(self) -> list[PaceReference]:
-        rows = await self._fetch("pace_references")
-        return [
-            PaceReference(
-                gpu_class=r["gpu_class"],
-                seconds_per_step=r["seconds_per_step"],
-                machines=r["machines"],
-                updated_at=r["updated_at"],
-            )
-            for r in rows
-        ]
-
-    async def set_pace_reference(
-        self, gpu_class: str, seconds_per_step: float, machines: int, at: float
-    ) -> None:
-        await self._fetch("set_pace_reference", gpu_class, seconds_per_step, machines, at)
-
-    async def scaler_work(self, listed_machines: Sequence[str]) -> ScalerWork:
-        """Work for the fleet; `listed_machines`: the machine ids of the provider's instances."""
-        row = await self._fetchrow("scaler_work", list(listed_machines))
-        assert row is not None
-        return ScalerWork(
-            queued=row["queued"],
-            running=row["running"],
-            unplaced=row["unplaced"],
-            last_finished_at=row["last_finished_at"],
-        )
-
-    async def banned_queued_jobs(self, limit: int) -> list[BannedQueuedJob]:
-        return [
-            BannedQueuedJob(job_id=str(r["job_id"]), banned_machines=tuple(r["banned_machines"]))
-            for r in await self._fetch("banned_queued_jobs", limit)
-        ]
-
-    async def record_scaler_decision(
-        self,
-        *,
-        at: float,
-        scaler_id: str,
-        action: str,
-        target: str,
-        job_id: str | None,
-        reason: str,
-        figures: Mapping[str, Any],
-        fold_key: str = "",
-        error: str | None = None,
-        fold_into: int | None = None,
-    ) -> tuple[int, bool]:
-        """(row id, whether it folded into row `fold_into`: the same HOLD of the same scaler,
-        repeated from its previous tick, when that row is still the target's newest)."""
-        row = await self._fetchrow(
-            "record_scaler_decision",
-            at,
-            scaler_id,
-            action,
-            target,
-            None if job_id is None else _uuid_or_nil(job_id),
-            reason,
-            dict(figures),
-            fold_key,
-            error,
-            fold_into,
-        )
-        assert row is not None
-        return int(row["decision_id"]), bool(row["folded"])
-
-    async def finish_scaler_decision(
-        self, decision_id: int, *, applied: bool, error: str | None, at: float | None = None
-    ) -> None:
-        """Records the outcome; `at` (epoch s): when an applied action took effect."""
-        await self._fetch("finish_scaler_decision", decision_id, applied, error, at)
-
-    async def recent_scaler_actions(self, since: float) -> list[ScalerAction]:
-        """What the scaler carried out since `since` (epoch seconds), oldest first."""
-        return [
-            ScalerAction(
-                at=r["at"], action=r["action"], target=r["target"], job_id=_opt_str(r["job_id"])
-            )
-            for r in await self._fetch("recent_scaler_actions", since)
-        ]
-
-    async def list_scaler_decisions(self, limit: int) -> list[ScalerDecisionRecord]:
-        """The newest decisions, newest first."""
-        return [
-            ScalerDecisionRecord(
-                decision_id=r["decision_id"],
-                at=r["at"],
-                last_at=r["last_at"],
-                repeats=r["repeats"],
-                scaler_id=r["scaler_id"],
-                action=r["action"],
-                target=r["target"],
-                job_id=_opt_str(r["job_id"]),
-                reason=r["reason"],
-                figures=dict(r["figures"]),
-                applied=r["applied"],
-                error=r["error"],
-            )
-            for r in await self._fetch("list_scaler_decisions", limit)
-        ]
-
 
 @dataclass(frozen=True, kw_only=True)
 class WebhookDelivery:
@@ -1345,20 +1176,11 @@ class WebhookDelivery:
 
 def sample_task_from_row(row: asyncpg.Record) -> SampleTask:
     keys = set(row.keys())
-    return SampleTask(
-        task_id=str(row["task_id"]),
-        job_id=str(row["job_id"]),
+    return record(
+        SampleTask,
+        row,
         owner=row["owner"] if "owner" in keys else "",
-        step=row["step"],
-        weights_key=row["weights_key"],
-        weights_sha256=row["weights_sha256"],
-        weights_is_checkpoint=row["weights_is_checkpoint"],
         settings=SampleSettings.from_dict(row["settings"]),
-        state=row["state"],
-        epoch=row["epoch"],
-        lease_id=_opt_str(row["lease_id"]),
-        machine_id=row["machine_id"],
-        failures=row["failures"],
         images=tuple(
             StoredImage(
                 prompt_index=int(i["prompt_index"]),
@@ -1369,8 +1191,6 @@ def sample_task_from_row(row: asyncpg.Record) -> SampleTask:
             )
             for i in row["images"]
         ),
-        error=row["error"],
-        busy_seconds=float(row["busy_seconds"]),
         spec=JobSpec.from_dict(row["spec"]) if "spec" in keys else None,
         traceparent=row["traceparent"] if "traceparent" in keys else None,
     )

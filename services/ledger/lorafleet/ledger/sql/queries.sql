@@ -1,6 +1,10 @@
--- Every query the scheduler runs. Sections start with `-- name: <method>`; the Ledger class has
--- one method per section. Worker-facing writes are fenced: they only touch the job while
--- (lease_id, epoch) is still its live lease.
+-- Every query the scheduler runs. Each starts with `-- name: <method>`; the Ledger class has
+-- one method per query, and titled sections (`-- Title ---`) group them as ledger.py's Ledger
+-- does, with the same titles in the same order (tests/scheduler/test_ledger_sections.py).
+-- Worker-facing writes are fenced: they only touch the job while (lease_id, epoch) is still
+-- its live lease.
+
+-- API keys ---------------------------------------------------------------------------------------
 
 -- name: insert_api_key
 INSERT INTO api_keys (key_id, owner, secret_sha256, webhook_url, webhook_events,
@@ -26,6 +30,17 @@ FROM jobs
 WHERE api_key_id = $1 AND state IN ('QUEUED', 'RUNNING')
 GROUP BY coalesce(shape_key, job_id::text)
 LIMIT 1000;
+
+-- name: get_api_key
+SELECT key_id, owner, secret_sha256 FROM api_keys WHERE key_id = $1 AND revoked_at IS NULL;
+
+-- name: revoke_api_key
+UPDATE api_keys SET revoked_at = now() WHERE key_id = $1 AND revoked_at IS NULL RETURNING key_id;
+
+-- name: list_api_keys
+SELECT key_id, owner, created_at, revoked_at, webhook_url FROM api_keys ORDER BY created_at, key_id;
+
+-- Fleet figures: paces and interruptions ---------------------------------------------------------
 
 -- name: pace_for_shape
 -- The fleet's pace on jobs of one shape ($2 its key: JobSpec.shape.key, stored at submit as
@@ -86,14 +101,7 @@ SELECT coalesce(sum(interruptions), 0)::float8 AS interruptions,
        coalesce(sum(lease_seconds), 0)::float8 AS lease_seconds
 FROM per_machine;
 
--- name: get_api_key
-SELECT key_id, owner, secret_sha256 FROM api_keys WHERE key_id = $1 AND revoked_at IS NULL;
-
--- name: revoke_api_key
-UPDATE api_keys SET revoked_at = now() WHERE key_id = $1 AND revoked_at IS NULL RETURNING key_id;
-
--- name: list_api_keys
-SELECT key_id, owner, created_at, revoked_at, webhook_url FROM api_keys ORDER BY created_at, key_id;
+-- Jobs -------------------------------------------------------------------------------------------
 
 -- name: insert_jobs
 -- $1 owner; then one array per column, one element per job; $11 the submitting API key; $12,
@@ -189,6 +197,8 @@ WITH target AS (
     SELECT job_id, 'CANCELED', 'CANCELED', lease_id, machine_id, epoch FROM target
 )
 SELECT * FROM canceled;
+
+-- Leases (the worker stream) ---------------------------------------------------------------------
 
 -- name: claim_job
 -- One statement: pick the best claimable job for this machine, skipping rows other replicas
@@ -656,6 +666,24 @@ WITH target AS (
 )
 SELECT * FROM succeeded;
 
+-- name: record_notice
+-- The holder of live lease ($1, $2) reports a problem (message $3): it goes on the timeline.
+INSERT INTO job_events (job_id, kind, lease_id, machine_id, epoch, step, message)
+SELECT job_id, 'NOTICE', lease_id, machine_id, epoch, progress_step, $3 FROM jobs
+WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now();
+
+-- name: lease_is_live
+-- Whether $1 is a job's (or a sample task's) live lease: a lease's upload URLs work only while
+-- it is.
+SELECT EXISTS (
+    SELECT 1 FROM jobs WHERE lease_id = $1 AND state = 'RUNNING' AND lease_expires_at > now()
+) OR EXISTS (
+    SELECT 1 FROM sample_tasks
+    WHERE lease_id = $1 AND state = 'RUNNING' AND lease_expires_at > now()
+);
+
+-- Checkpoint retention ---------------------------------------------------------------------------
+
 -- name: live_checkpoints
 -- Committed and still stored, newest first.
 SELECT * FROM checkpoints WHERE job_id = $1 AND deleted_at IS NULL
@@ -712,6 +740,8 @@ WITH marked AS (
 )
 INSERT INTO job_events (job_id, kind, epoch, step, checkpoint_key)
 SELECT job_id, 'CHECKPOINT_DELETED', epoch, step, key FROM marked;
+
+-- Machines and replicas --------------------------------------------------------------------------
 
 -- name: upsert_machine
 INSERT INTO machines (machine_id, provider_instance_id, gpu_model, vram_mb, qualified,
@@ -811,22 +841,6 @@ WITH outage AS (
 )
 SELECT count(*) FROM extended;
 
--- name: record_notice
--- The holder of live lease ($1, $2) reports a problem (message $3): it goes on the timeline.
-INSERT INTO job_events (job_id, kind, lease_id, machine_id, epoch, step, message)
-SELECT job_id, 'NOTICE', lease_id, machine_id, epoch, progress_step, $3 FROM jobs
-WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now();
-
--- name: lease_is_live
--- Whether $1 is a job's (or a sample task's) live lease: a lease's upload URLs work only while
--- it is.
-SELECT EXISTS (
-    SELECT 1 FROM jobs WHERE lease_id = $1 AND state = 'RUNNING' AND lease_expires_at > now()
-) OR EXISTS (
-    SELECT 1 FROM sample_tasks
-    WHERE lease_id = $1 AND state = 'RUNNING' AND lease_expires_at > now()
-);
-
 -- name: touch_replica
 UPDATE scheduler_replicas SET last_seen_at = now() WHERE replica_id = $1;
 
@@ -864,6 +878,8 @@ WITH outage AS (
 )
 SELECT count(*) FROM extended;
 
+-- The timeline and counts ------------------------------------------------------------------------
+
 -- name: list_events
 SELECT * FROM job_events WHERE job_id = $1 AND event_id > $2 ORDER BY event_id LIMIT $3;
 
@@ -879,6 +895,8 @@ FROM unnest(ARRAY['QUEUED', 'RUNNING', 'SUCCEEDED', 'FAILED', 'CANCELED']) AS s(
 -- name: job_leases
 SELECT lease_id, job_id, epoch, machine_id, granted_at, last_heartbeat_at, ended_at, end_reason
 FROM leases WHERE job_id = $1 ORDER BY epoch;
+
+-- Webhook outbox ---------------------------------------------------------------------------------
 
 -- name: claim_webhook_deliveries
 -- Takes up to $1 due deliveries for $2 seconds (a crashed replica's claims come back after it).
@@ -919,7 +937,10 @@ FROM webhook_deliveries WHERE job_id = $1 ORDER BY delivery_id;
 SELECT extract(epoch FROM min(next_attempt_at) - now()) FROM webhook_deliveries
 WHERE delivered_at IS NULL AND gave_up_at IS NULL;
 
--- The scaler (docs/DESIGN.md, "The scaler's view") ------------------------------------------
+-- The scaler -------------------------------------------------------------------------------------
+
+-- What the scaler reads of the fleet and records of its decisions (docs/DESIGN.md, "The
+-- scaler's view").
 
 -- name: drop_lease
 -- The scaler takes job $2 away from machine $1 (a slow node): the lease ends, the job is
@@ -1121,7 +1142,9 @@ SELECT decision_id, at, last_at, repeats, scaler_id, action, target, job_id, rea
        applied, error
 FROM scaler_decisions ORDER BY decision_id DESC LIMIT $1;
 
--- Sample tasks: validation images on the fleet, leased like jobs ---------------------
+-- Sample tasks -----------------------------------------------------------------------------------
+
+-- Validation images on the fleet, leased like jobs.
 
 -- name: claim_sample_task
 -- Like claim_job, for a worker that found no training job: the oldest claimable task, re-runs

@@ -1,0 +1,85 @@
+"""queries.sql and ledger.py are read side by side: the same sections, with the same titles, in
+the same order, each holding the queries of its methods. A reader who finds a method under
+"Leases (the worker stream)" finds its SQL under the same title."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from lorafleet.ledger import ledger as ledger_module
+
+_SQL = Path(ledger_module.__file__).parent / "sql" / "queries.sql"
+# A section title: `# Title ----` in ledger.py, `-- Title ----` in queries.sql.
+_PY_TITLE = re.compile(r"^    # (?P<title>[^-].*?) -{3,}$")
+_SQL_TITLE = re.compile(r"^-- (?P<title>[^-].*?) -{3,}$")
+_SQL_NAME = re.compile(r"^-- name: (?P<name>\w+)\s*$")
+
+
+def sql_sections() -> list[tuple[str, list[str]]]:
+    sections: list[tuple[str, list[str]]] = []
+    for line in _SQL.read_text().splitlines():
+        if title := _SQL_TITLE.match(line):
+            sections.append((title["title"], []))
+        elif name := _SQL_NAME.match(line):
+            assert sections, f"query {name['name']} comes before the first section title"
+            sections[-1][1].append(name["name"])
+    return sections
+
+
+def ledger_sections() -> list[tuple[str, list[str]]]:
+    """Each titled section of the Ledger class with the queries its methods run, in order."""
+    source = Path(ledger_module.__file__).read_text()
+    lines = source.splitlines()
+    titles = [(i + 1, m["title"]) for i, line in enumerate(lines) if (m := _PY_TITLE.match(line))]
+    tree = ast.parse(source)
+    ledger = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Ledger")
+    sections: list[tuple[str, list[str]]] = [(title, []) for _, title in titles]
+    for method in ledger.body:
+        if not isinstance(method, ast.AsyncFunctionDef | ast.FunctionDef):
+            continue
+        before = [i for i, (at, _) in enumerate(titles) if at < method.lineno]
+        for node in ast.walk(method):
+            name = _query_name(node)
+            if name is None:
+                continue
+            assert before, f"{method.name} runs {name} before the first section title"
+            queries = sections[before[-1]][1]
+            if name not in queries:
+                queries.append(name)
+    return sections
+
+
+def _query_name(node: ast.AST) -> str | None:
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("_fetch", "_fetchrow")
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    ):
+        return str(node.args[0].value)
+    if (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "QUERIES"
+        and isinstance(node.slice, ast.Constant)
+    ):
+        return str(node.slice.value)
+    return None
+
+
+def test_the_sections_have_the_same_titles_in_the_same_order() -> None:
+    assert [title for title, _ in sql_sections()] == [title for title, _ in ledger_sections()]
+
+
+def test_each_query_sits_in_the_section_of_the_method_that_runs_it() -> None:
+    in_sql = {name: title for title, names in sql_sections() for name in names}
+    in_py = {name: title for title, names in ledger_sections() for name in names}
+    misplaced = {
+        name: (in_sql.get(name), title)
+        for name, title in in_py.items()
+        if in_sql.get(name) != title
+    }
+    assert not misplaced, "query: (its section in queries.sql, its method's in ledger.py)"
