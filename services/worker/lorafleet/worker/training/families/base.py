@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -32,8 +32,7 @@ class Components:
     """The loaded model. Modules are mutable torch objects; the dataclass only groups them.
 
     `text_encoders` and `tokenizers` are keyed by their pipeline attribute names, in the
-    pipeline's order; `denoiser` is the UNet or transformer. `extras` holds what a family
-    derives once from its modules (e.g. FLUX.2's latent normalisation)."""
+    pipeline's order; `denoiser` is the UNet or transformer."""
 
     family: Family
     denoiser: Any
@@ -43,7 +42,6 @@ class Components:
     noise_scheduler: Any
     # The base model's own inference scheduler config, for class and validation images.
     sampler_config: dict[str, Any]
-    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def modules(self) -> dict[str, Any]:
@@ -80,8 +78,6 @@ class Family:
     # Whether the text encoders stay on the accelerator while the denoiser trains; a family whose
     # frozen encoders are large sends them to host memory once the prompts are cached.
     encoders_stay_on_device: ClassVar[bool] = True
-    # Whether a latent is drawn from the VAE posterior with the run's generator (False: its mean).
-    samples_latents: ClassVar[bool] = True
 
     # Loading ---------------------------------------------------------------------------------
 

@@ -49,8 +49,6 @@ class Flux2(FlowMatching):
     pipeline_class = "Flux2KleinPipeline"
     denoiser_name = "transformer"
     trainable_encoders = ()
-    # The script trains on the posterior's mean (`latent_dist.mode()`).
-    samples_latents = False
 
     def load(self, config: TrainingConfig, runtime: Runtime) -> Components:
         ref = config.model_ref
