@@ -89,6 +89,90 @@ async def test_three_machines_failing_every_attempt_fail_no_job(world: World, sc
     assert not bad & set(succeeded_on)
 
 
+@pytest.mark.parametrize(
+    "failure_class",
+    [jpb.FAILURE_CLASS_INTERNAL, jpb.FAILURE_CLASS_INPUT],
+    ids=["internal", "input"],
+)
+async def test_fresh_machines_with_results_of_their_own_fail_no_job(
+    world: World, failure_class: jpb.FailureClass.ValueType
+) -> None:
+    """Three SaladCloud-verified machines of one holder arrive together, and each first
+    delivers one result fast (a tiny valid LoRA file: the store checks its form, not its
+    values). Before, that one result put each in good standing: then their internal errors on
+    the jobs they were handed next spent those jobs' max_failures (3) and the jobs ended
+    FAILED, and two of them calling a job's input bad confirmed each other and failed it at
+    once. Now a machine's word counts against a job only if its standing predates the job by
+    standing_min_age_s (6 h): their failures are node faults, and every job succeeds on the
+    honest machines that replace them."""
+    policy = PolicyConfig(max_replicas=3, fault_threshold=3, cooldown_s=300, reallocate_share=1.0)
+    scaler = world.scaler(policy)
+    await scaler.acquire()
+    bad: set[str] = set()
+    delivered: set[str] = set()
+    go = asyncio.Event()
+
+    async def collude(sim: FleetSim, w: SimWorker, lease: Lease) -> None:
+        await go.wait()
+        if w.machine_id not in delivered:
+            delivered.add(w.machine_id)
+            await finish(sim, w, lease)
+            return
+        assert w.worker is not None
+        await w.worker.send(
+            job_failed=fpb.JobFailed(lease=lease.ref, failure_class=failure_class, message="no")
+        )
+
+    sim = world.sim(lambda m: collude if m in bad else finish)
+    baits = await world.submit(3)
+    victims = await world.submit(3)
+    await scaler.tick()
+    world.advance(COLD_START_S)
+    bad.update(i.machine_id for i in world.double.instances.values())
+    assert len(bad) == 3
+    await sim.sync()
+    # The scripted workers prove their ids with the local supervisor's token (an operator-run
+    # machine, whose input fault is believed at once); these are a stranger's SaladCloud
+    # machines, verified (their token's own tests: tests/scheduler/test_identity.py).
+    await world.watch.conn.execute(
+        "UPDATE machines SET identity_provider = 'salad' WHERE machine_id = ANY($1::text[])",
+        sorted(bad),
+    )
+    go.set()
+    # Each victim has failed on all three machines (each is banned from a job it failed), or
+    # has ended FAILED before that (as it did before this fix).
+    settled = (
+        "SELECT count(*) FROM jobs j WHERE j.job_id = ANY($1::uuid[]) AND (j.state = 'FAILED'"
+        " OR (SELECT count(*) FROM leases l WHERE l.job_id = j.job_id"
+        "     AND l.end_reason LIKE 'failed: %') = 3)"
+    )
+    await world.watch.until(
+        lambda: _eq(world.watch.value(settled, victims), 3), "every victim tried on all three"
+    )
+    assert await world.states() == {"SUCCEEDED": 3, "QUEUED": 3}
+    for job_id in victims:
+        job = await world.ledger.get_job_any_owner(job_id)
+        assert job is not None
+        assert (job.failures, job.node_faults) == (0, 3)
+    # Banned from every queued job, the machines are moved as for a stranded job.
+    for _ in range(3):
+        await scaler.tick()
+        world.settle()
+    world.advance(COLD_START_S)
+    await sim.sync()
+    await world.watch.until(lambda: _eq(world.watch.count_jobs("SUCCEEDED"), 6), "all done")
+    succeeded_on = await world.watch.value(
+        "SELECT array_agg(machine_id) FROM leases WHERE end_reason = 'succeeded'"
+        " AND job_id = ANY($1::uuid[])",
+        victims,
+    )
+    assert len(succeeded_on) == 3 and not bad & set(succeeded_on)
+    succeeded = await world.watch.value(
+        "SELECT array_agg(job_id::text) FROM jobs WHERE state = 'SUCCEEDED'"
+    )
+    assert set(succeeded) == set(baits) | set(victims)
+
+
 async def _set_paces(world: World, paces: dict[str, float]) -> None:
     """Each machine's checkpoints under its leases committed `pace` seconds per step apart on
     the ledger's clock (a test does not wait out real training)."""

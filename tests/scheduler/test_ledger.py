@@ -13,6 +13,7 @@ import pytest
 from lorafleet.core.model import (
     Checkpoint,
     FailureClass,
+    Job,
     JobResult,
     JobState,
     Machine,
@@ -126,9 +127,10 @@ async def test_a_machine_a_job_failed_on_never_gets_it_again(
     assert await ledger.claim_job("healthy", 0, TTL_S, secret_sha256=SECRET) is not None
 
 
-async def in_good_standing(database_url: str, *machines: str) -> None:
+async def in_good_standing(database_url: str, *machines: str, age_h: float = 7.0) -> None:
     """Each machine is provider-verified and delivered a verified result of its own (a job
-    finished an hour ago): its internal errors are blamed on the jobs it reports them for."""
+    finished `age_h` hours ago, by default more than standing_min_age_s, 6 h, before any job a
+    test submits now): its internal errors are blamed on the jobs it reports them for."""
     conn = await asyncpg.connect(database_url)
     try:
         for machine in machines:
@@ -145,10 +147,12 @@ async def in_good_standing(database_url: str, *machines: str) -> None:
             )
             await conn.execute(
                 "INSERT INTO leases (lease_id, job_id, epoch, machine_id, granted_at, ended_at,"
-                " end_reason) VALUES (gen_random_uuid(), $1, 1, $2, now() - interval '2 hours',"
-                " now() - interval '1 hour', 'succeeded')",
+                " end_reason) VALUES (gen_random_uuid(), $1, 1, $2,"
+                " now() - make_interval(secs => $3 * 3600 + 3600),"
+                " now() - make_interval(secs => $3 * 3600), 'succeeded')",
                 job_id,
                 machine,
+                age_h,
             )
     finally:
         await conn.close()
@@ -204,6 +208,7 @@ async def test_max_failures_and_input_fault(ledger: Ledger, database_url: str) -
         final is not None and final.failures == 2 and final.failure_class is FailureClass.INTERNAL
     )
 
+    await in_good_standing(database_url, "c", "d")
     bad = (await ledger.insert_jobs("alice", [new_job(max_failures=5)]))[0]
     granted = await ledger.claim_job("c", 0, TTL_S, secret_sha256=SECRET)
     assert granted is not None and granted.job_id == bad.job_id
@@ -220,6 +225,60 @@ async def test_max_failures_and_input_fault(ledger: Ledger, database_url: str) -
     )
     assert after is not None and after.state is JobState.FAILED and after.failures == 0
     assert await ledger.claim_job("e", 0, TTL_S, secret_sha256=SECRET) is None
+
+
+async def _fail_with(ledger: Ledger, machine: str, failure_class: FailureClass) -> Job:
+    granted = await ledger.claim_job(machine, 10**7, TTL_S, secret_sha256=SECRET)
+    assert granted is not None
+    after = await ledger.fail_attempt(_lease(granted), granted.epoch, failure_class, "x")
+    assert after is not None
+    return after
+
+
+@pytest.mark.parametrize("failure_class", [FailureClass.INTERNAL, FailureClass.INPUT])
+async def test_machines_whose_standing_is_younger_than_the_job_cannot_fail_it(
+    ledger: Ledger, database_url: str, failure_class: FailureClass
+) -> None:
+    """Verified machines whose first verified result is an hour old (less than
+    standing_min_age_s, 6 h, before the job was submitted) have no say over it: their internal
+    errors and their input faults count as node faults, never toward max_failures, and do not
+    fail the job. Before, one verified result made a machine's errors the job's: two such
+    machines failed it (max_failures 2, or an input fault confirmed)."""
+    job = (await ledger.insert_jobs("alice", [new_job(max_failures=2)]))[0]
+    await in_good_standing(database_url, "a", "b", age_h=1.0)
+    for machine, node_faults in (("a", 1), ("b", 2)):
+        after = await _fail_with(ledger, machine, failure_class)
+        assert after.job_id == job.job_id
+        assert (after.state, after.failures, after.node_faults) == (
+            JobState.QUEUED,
+            0,
+            node_faults,
+        )
+
+
+async def test_a_machine_failing_most_of_its_recent_attempts_loses_its_standing(
+    ledger: Ledger, database_url: str
+) -> None:
+    """A machine whose standing is old enough but which failed most of its last attempts is
+    broken, whatever it did before: its internal error counts as a node fault."""
+    job = (await ledger.insert_jobs("alice", [new_job(max_failures=1)]))[0]
+    await in_good_standing(database_url, "a", "b")
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(
+            "INSERT INTO leases (lease_id, job_id, epoch, machine_id, granted_at, ended_at,"
+            " end_reason) SELECT gen_random_uuid(), job_id, 100 + n, 'a', now(), now(),"
+            " 'failed: internal' FROM jobs, generate_series(1, 2) n WHERE owner = 'earlier'"
+            " AND job_id = (SELECT job_id FROM leases WHERE machine_id = 'a' LIMIT 1)"
+        )
+    finally:
+        await conn.close()
+    after = await _fail_with(ledger, "a", FailureClass.INTERNAL)
+    assert after.job_id == job.job_id
+    assert (after.state, after.failures, after.node_faults) == (JobState.QUEUED, 0, 1)
+    # b's record is its own: one success, no failures. Its error is the job's (max_failures 1).
+    after = await _fail_with(ledger, "b", FailureClass.INTERNAL)
+    assert (after.state, after.failures, after.node_faults) == (JobState.FAILED, 1, 1)
 
 
 async def test_stale_epoch_is_fenced_off(ledger: Ledger) -> None:

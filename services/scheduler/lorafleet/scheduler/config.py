@@ -15,6 +15,7 @@ from pydantic import AfterValidator, AliasChoices, Field, model_validator
 
 from lorafleet.core.model import MIN_PLAUSIBLE_S_PER_STEP
 from lorafleet.core.settings import ServiceSettings
+from lorafleet.ledger.ledger import STANDING_MIN_AGE_S
 from lorafleet.scheduler.identity import SALAD_JWKS_URL
 from lorafleet.scheduler.job_handler import PRIOR_S_PER_STEP
 from lorafleet.scheduler.storage import S3Config
@@ -176,6 +177,16 @@ class SchedulerConfig(ServiceSettings):
         gt=0,
         le=7 * 86400.0,
         description="seconds a node fault counts toward quarantine (the scaler's --fault-window-s)",
+    )
+    standing_min_age_s: float = Field(
+        STANDING_MIN_AGE_S,
+        ge=0,
+        le=30 * 86400.0,
+        description="a machine's internal error counts toward a job's max_failures, and its"
+        " input fault confirms another's, only if it delivered a verified result this many"
+        " seconds before the job was submitted (no node fault since, most of its recent"
+        " attempts succeeded): machines arriving together cannot fail a job; their failures"
+        " count as node faults",
     )
     warm_dispatch_bound_s: float = Field(
         5.0,

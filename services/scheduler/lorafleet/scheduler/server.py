@@ -168,6 +168,7 @@ class Scheduler(AsyncLifecycle):
                 empty_lease_limit=cfg.quarantine_empty_leases,
             ),
             fleet_max_vram_mb=cfg.fleet_max_vram_mb,
+            standing_min_age_s=cfg.standing_min_age_s,
         )
         if filled := await self._ledger.fill_warm_keys():
             log.info("warm keys computed for jobs submitted before warm dispatch", jobs=filled)

@@ -508,18 +508,30 @@ END $$;
 CREATE TRIGGER sample_tasks_notify AFTER INSERT OR UPDATE OF state, lease_id ON sample_tasks
     FOR EACH ROW EXECUTE FUNCTION lorafleet_notify_sample_task();
 
--- A machine in good standing (0021): a provider vouched for it, and it delivered a verified
--- result of its own since its last node fault. Only such machines' internal errors are blamed
--- on a job (fail_attempt).
-CREATE FUNCTION lorafleet_good_standing(machine text) RETURNS boolean
+-- A machine in good standing for a job submitted at `submitted_at` (0021, 0024): a provider
+-- vouched for it; it delivered a verified result at least `min_age_s` (standing_min_age_s, 6 h)
+-- before the job was submitted, with no node fault since; and of its last 10 attempts that
+-- ended succeeded or failed, at least half succeeded. Only such machines' internal errors are
+-- blamed on a job, and only two of them confirm an input fault (fail_attempt): a group of
+-- fresh machines arriving together has no say over any job submitted before it is hours old.
+CREATE FUNCTION lorafleet_good_standing(machine text, submitted_at timestamptz, min_age_s float8)
+RETURNS boolean
 LANGUAGE sql STABLE AS $$
     SELECT EXISTS (SELECT 1 FROM machines m
                    WHERE m.machine_id = machine AND m.identity_provider <> '')
-       AND coalesce((SELECT max(s.ended_at) FROM leases s
-                     WHERE s.machine_id = machine AND s.end_reason = 'succeeded')
-                    > coalesce((SELECT max(q.ended_at) FROM leases q
-                                WHERE q.machine_id = machine AND q.end_reason = 'failed: node'),
-                               '-infinity'), false)
+       AND EXISTS (SELECT 1 FROM leases s
+                   WHERE s.machine_id = machine AND s.end_reason = 'succeeded'
+                     AND s.ended_at <= submitted_at - make_interval(secs => min_age_s)
+                     AND s.ended_at > coalesce((SELECT max(q.ended_at) FROM leases q
+                                                WHERE q.machine_id = machine
+                                                  AND q.end_reason = 'failed: node'),
+                                               '-infinity'))
+       AND (SELECT 2 * count(*) FILTER (WHERE r.end_reason = 'succeeded') >= count(*)
+            FROM (SELECT l.end_reason FROM leases l
+                  WHERE l.machine_id = machine
+                    AND (l.end_reason = 'succeeded' OR l.end_reason LIKE 'failed: %')
+                  ORDER BY l.ended_at DESC
+                  LIMIT 10) r)
 $$;
 
 -- The reference pace per GPU class (0021), in seconds per 1024x1024 image step: what the
