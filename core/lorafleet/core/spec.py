@@ -613,7 +613,7 @@ class JobSpec:
     def for_worker(self) -> JobSpec:
         """What a worker is told: the spec without the owner's webhook (for many receivers the
         URL is itself the credential) and labels, which training never reads. Workers are
-        strangers' machines (DESIGN.md, "Trust")."""
+        strangers' machines (docs/DESIGN.md, "Trust")."""
         return dataclasses.replace(self, labels={}, webhook_url="", webhook_events=())
 
     @property

@@ -41,7 +41,7 @@ def load_kwargs(config: TrainingConfig) -> dict[str, Any]:
 T = TypeVar("T")
 
 # Weights load from safetensors only: a user names the base model, and a pickled checkpoint
-# (.bin, .ckpt) can run code when loaded (DESIGN.md, "Trust").
+# (.bin, .ckpt) can run code when loaded (docs/DESIGN.md, "Trust").
 SAFE = {"use_safetensors": True}
 
 
