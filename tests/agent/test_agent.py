@@ -251,6 +251,40 @@ async def test_cancel_stops_training_within_one_step(
     assert "CHECKPOINT_COMMITTED" not in kinds(events)
 
 
+# Heartbeats far apart: none is sent while the test runs, so the only report of the step the
+# worker reached is its answer to the cancel.
+@pytest.mark.parametrize(
+    "scheduler_overrides", [{"heartbeat_interval_s": 20.0, "lease_ttl_s": 60.0}]
+)
+async def test_a_canceled_job_shows_the_step_its_worker_reached(
+    fleet: Fleet, cpu_qualification: QualificationResult
+) -> None:
+    """Issue 32: a canceled job showed its last heartbeat's step (1346) though its worker had
+    reached 1395. The worker answers the revocation with the step it reached."""
+    observer = Observer(hold_at=3)
+    agent = Agent(
+        fleet.worker_config("m1"), trainer_factory=observer, qualification=cpu_qualification
+    )
+    async with running(agent):
+        job = await fleet.client.submit(max_train_steps=1000, checkpointing_steps=1000)
+        run = await observer.run(0)
+        assert await asyncio.to_thread(run.reached.wait, WAIT_S)
+        await fleet.client.cancel(job.job_id)
+        async with asyncio.timeout(WAIT_S):
+            await agent.wait_for_state(State.IDLE)  # the revocation arrived
+        run.release.set()
+        assert await asyncio.to_thread(run.done.wait, WAIT_S)
+        # Ready follows the final report on the same stream: once the next job is granted to
+        # this worker, the scheduler has handled the report.
+        observer.hold_at = None
+        second = await fleet.client.submit(max_train_steps=1, checkpointing_steps=1000)
+        await fleet.client.wait_state(second.job_id, pb.JOB_STATE_SUCCEEDED)
+    canceled = await fleet.client.get(job.job_id)
+    assert canceled.state == pb.JOB_STATE_CANCELED
+    assert canceled.progress.step == 3 and canceled.progress.machine_id == "m1"
+    assert run.steps[-1] == 3
+
+
 async def test_superseded_lease_stops_then_the_regrant_resumes(
     fleet: Fleet, cpu_qualification: QualificationResult
 ) -> None:

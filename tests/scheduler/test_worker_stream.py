@@ -16,7 +16,6 @@ from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.signing import UrlSigner
-from tests.scheduler.test_ledger import in_good_standing
 from tests.support.artifacts import checkpoint_blob, lora_blob
 from tests.support.fleet import Fleet
 from tests.support.workers import connect_worker, local_identity
@@ -225,14 +224,10 @@ async def test_an_input_failure_fails_the_job_once_a_second_machine_confirms_it(
 ) -> None:
     """One machine alone cannot fail a job by calling its inputs bad (workers are strangers'
     machines): its report bans it from the job and re-queues it, counting no failure; a second
-    machine's input fault fails the job with no failure counted against any node. Both are
-    provider-verified machines whose standing predates the job (a verified result of their own
-    more than standing_min_age_s before it was submitted): fresh machines' word is a node fault
-    (tests/scaler/test_colluding_machines.py)."""
+    machine's input fault fails the job with no failure counted against any node."""
     job = await fleet.alice.submit(max_failures=5)
     for machine_id in ("a", "b"):
         async with connect_worker(fleet.channel, fleet.token, machine_id) as worker:
-            await in_good_standing(fleet.scheduler.database_url, machine_id)
             granted = await worker.ready_for_lease()
             await worker.send(
                 job_failed=fpb.JobFailed(
@@ -312,14 +307,47 @@ async def test_cancel_is_pushed_to_the_holder(fleet: Fleet) -> None:
     job = await fleet.alice.submit()
     async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
         granted = await worker.ready_for_lease()
+        await worker.heartbeat(granted.lease, 3)
+        await worker.send(ping=fpb.Ping(nonce=1))
+        await worker.expect("pong")  # answered in the stream's order: the heartbeat was handled
         canceled = await fleet.alice.cancel(job.job_id)
         assert canceled.state == pb.JOB_STATE_CANCELED
+        assert canceled.progress.step == 3
         revoked = await worker.expect("lease_revoked")
         assert revoked.reason == fpb.REVOKE_REASON_CANCELED
         assert revoked.lease.lease_id == granted.lease.lease_id
-        await worker.heartbeat(granted.lease, 1)
-        await worker.expect("rejected")
+        # The holder's answer says the step it reached (issue 32: a canceled job showed its
+        # last heartbeat's step, 1346, though the worker had reached 1395): taken once.
+        await worker.heartbeat(granted.lease, 7, loss=0.25)
+        await worker.heartbeat(granted.lease, 9)
+        await worker.expect("rejected")  # the second is a stale holder's, as before
+    shown = await fleet.alice.get(job.job_id)
+    assert shown.state == pb.JOB_STATE_CANCELED
+    assert shown.progress.step == 7 and shown.progress.loss == pytest.approx(0.25)
     assert (await fleet.alice.cancel(job.job_id)).state == pb.JOB_STATE_CANCELED  # idempotent
+
+
+async def test_only_the_canceled_holder_reports_its_final_step(fleet: Fleet) -> None:
+    """The final step of a canceled lease is taken from the stream the lease was revoked on
+    only: another stream naming the lease (lease ids are not secret), or its own stream naming
+    another epoch, is refused as any stale holder is, and the job's progress stays."""
+    job = await fleet.alice.submit()
+    async with (
+        connect_worker(fleet.channel, fleet.token, "m1") as holder,
+        connect_worker(fleet.channel, fleet.token, "m2") as other,
+    ):
+        granted = await holder.ready_for_lease()
+        await holder.heartbeat(granted.lease, 3)
+        await holder.send(ping=fpb.Ping(nonce=1))
+        await holder.expect("pong")  # answered in the stream's order: the heartbeat was handled
+        await fleet.alice.cancel(job.job_id)
+        await holder.expect("lease_revoked")
+        await other.heartbeat(granted.lease, 8)
+        await other.expect("rejected")
+        stale = fpb.Lease(lease_id=granted.lease.lease_id, epoch=granted.lease.epoch + 1)
+        await holder.heartbeat(stale, 8)
+        await holder.expect("rejected")
+    assert (await fleet.alice.get(job.job_id)).progress.step == 3
 
 
 async def test_a_job_canceled_while_its_grant_is_signed_is_never_granted(

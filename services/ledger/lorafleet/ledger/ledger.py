@@ -418,12 +418,6 @@ class Quarantine:
     empty_lease_limit: int = 10
 
 
-# A machine's word against a job (an internal error toward max_failures, an input fault's
-# confirmation) counts only if it delivered a verified result this long before the job was
-# submitted (lorafleet_good_standing): machines arriving together have no say for 6 hours.
-STANDING_MIN_AGE_S = 6 * 3600.0
-
-
 class Ledger:
     """All reads and writes of the job ledger. Create with `await Ledger.connect(url)`."""
 
@@ -433,17 +427,12 @@ class Ledger:
         *,
         quarantine: Quarantine | None = None,
         fleet_max_vram_mb: int = 0,
-        standing_min_age_s: float = STANDING_MIN_AGE_S,
     ) -> None:
         self._pool = pool
         self.quarantine = quarantine or Quarantine()
         # The largest node class the fleet runs (MiB; 0: not configured; fail_attempt's $6):
         # what a node smaller than it cannot hold, a larger one may.
         self.fleet_max_vram_mb = fleet_max_vram_mb
-        # How long before a job's submission a machine must have delivered a verified result
-        # for its word (an internal error, an input fault) to count against that job
-        # (fail_attempt's $7, lorafleet_good_standing): what fresh machines cannot earn fast.
-        self.standing_min_age_s = standing_min_age_s
 
     @classmethod
     async def connect(
@@ -454,7 +443,6 @@ class Ledger:
         max_size: int = 20,
         quarantine: Quarantine | None = None,
         fleet_max_vram_mb: int = 0,
-        standing_min_age_s: float = STANDING_MIN_AGE_S,
     ) -> Ledger:
         try:
             pool = await asyncpg.create_pool(
@@ -466,12 +454,7 @@ class Ledger:
                 raise
             raise translated from exc
         assert pool is not None
-        return cls(
-            pool,
-            quarantine=quarantine,
-            fleet_max_vram_mb=fleet_max_vram_mb,
-            standing_min_age_s=standing_min_age_s,
-        )
+        return cls(pool, quarantine=quarantine, fleet_max_vram_mb=fleet_max_vram_mb)
 
     async def close(self) -> None:
         await self._pool.close()
@@ -744,6 +727,32 @@ class Ledger:
         )
         return row is not None
 
+    async def record_canceled_progress(
+        self,
+        lease_id: str,
+        epoch: int,
+        machine_id: str,
+        *,
+        step: int,
+        loss: float | None,
+        learning_rate: float | None,
+        seconds_per_step: float | None,
+    ) -> bool:
+        """The step `machine_id` reached on a lease its job's cancel ended: shown as the
+        canceled job's progress. False: not that lease's holder, not ended by a cancel, or not
+        past the progress recorded."""
+        row = await self._fetchrow(
+            "record_canceled_progress",
+            _uuid_or_nil(lease_id),
+            epoch,
+            machine_id,
+            step,
+            loss,
+            learning_rate,
+            seconds_per_step,
+        )
+        return row is not None
+
     async def expire_leases(self) -> list[ExpiredLease]:
         rows = await self._fetch("expire_leases")
         return [record(ExpiredLease, r) for r in rows]
@@ -767,7 +776,6 @@ class Ledger:
             message,
             list(OPERATOR_RUN_PROVIDERS),
             self.fleet_max_vram_mb,
-            self.standing_min_age_s,
         )
         return None if row is None else job_from_row(row)
 

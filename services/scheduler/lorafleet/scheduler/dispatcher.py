@@ -465,6 +465,8 @@ class Dispatcher:
         if lease is None:
             return
         session.end_lease(lease)
+        if canceled and isinstance(lease, TrainingLease):
+            session.canceled_lease = lease  # its holder may say the step it reached
         reason = fpb.REVOKE_REASON_CANCELED if canceled else fpb.REVOKE_REASON_SUPERSEDED
         session.send(
             fpb.ConnectResponse(

@@ -382,6 +382,10 @@ class WorkerSession:
     messages: TokenBucket = field(init=False)
     notices: TokenBucket = field(init=False)
     notices_suppressed: int = 0
+    # The training lease revoked because its job was canceled: its holder may still say, once,
+    # the step it reached (`take_canceled`), so a canceled job shows where it stopped rather
+    # than its last heartbeat's step (issue 32).
+    canceled_lease: TrainingLease | None = None
 
     def __post_init__(self) -> None:
         self.messages = TokenBucket(
@@ -419,6 +423,15 @@ class WorkerSession:
         if isinstance(lease, TrainingLease) and (ref is None or self.holds(ref)):
             return lease
         return None
+
+    def take_canceled(self, ref: LeaseRef) -> TrainingLease | None:
+        """The lease `ref` names if it is the one revoked from this stream for a cancel; it is
+        forgotten, so its holder reports its final step once at most."""
+        lease = self.canceled_lease
+        if lease is None or lease.lease_id != ref.lease_id or lease.epoch != ref.epoch:
+            return None
+        self.canceled_lease = None
+        return lease
 
     def sample_lease(self, ref: LeaseRef | None = None) -> SampleLease | None:
         """This stream's sample task lease (only if it is the one `ref` names, when given)."""

@@ -297,6 +297,9 @@ class WorkerHandler:
         if hb.lease is None:
             return
         if not session.holds(hb.lease):
+            if (canceled := session.take_canceled(hb.lease)) is not None:
+                await self._final_progress(session, canceled, hb)
+                return
             # Fenced by the stream, not only by (lease, epoch): lease ids are not secret.
             self._reject(session, hb.lease, "not this stream's lease")
             return
@@ -335,6 +338,34 @@ class WorkerHandler:
         # Renew URLs once a third of their life is left, so uploads never meet an expired one.
         if lease is not None and lease.urls_expire_at - now < self._url_ttl_s / 3:
             await self._renew_urls(session)
+
+    async def _final_progress(
+        self, session: WorkerSession, lease: TrainingLease, hb: HeartbeatReport
+    ) -> None:
+        """The holder of a lease revoked for a cancel says the step it reached (its heartbeat
+        in answer to the revocation): the canceled job shows it, not its last heartbeat's,
+        which may be an interval behind. Only this stream, once (`take_canceled`), and only
+        forward; the ledger checks the lease was this machine's and ended by the cancel."""
+        if lease.max_train_steps and hb.step > lease.max_train_steps:
+            raise InvalidArgument(
+                "heartbeat.step", f"past the job's max_train_steps ({lease.max_train_steps})"
+            )
+        recorded = await self._ledger.record_canceled_progress(
+            lease.lease_id,
+            lease.epoch,
+            session.machine.machine_id,
+            step=hb.step,
+            loss=hb.loss,
+            learning_rate=hb.learning_rate,
+            seconds_per_step=hb.seconds_per_step,
+        )
+        session.log.info(
+            "canceled lease's final progress",
+            job_id=lease.job_id,
+            machine_id=session.machine.machine_id,
+            step=hb.step,
+            recorded=recorded,
+        )
 
     async def urls_requested(self, session: WorkerSession, req: UrlsRequest) -> None:
         try:

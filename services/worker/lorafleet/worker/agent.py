@@ -718,6 +718,8 @@ class Agent(AsyncLifecycle):
         elif kind == "lease_revoked":
             revoked = message.lease_revoked
             reason = fpb.RevokeReason.Name(revoked.reason)
+            if revoked.reason == fpb.REVOKE_REASON_CANCELED:
+                self._report_final_step(session, revoked.lease)
             self._lease_gone(revoked.lease, f"revoked: {reason}")
         elif kind == "rejected":
             self._lease_gone(message.rejected.lease, f"rejected: {message.rejected.reason}")
@@ -835,6 +837,19 @@ class Agent(AsyncLifecycle):
         self.recent_leases.append(runner)
         self._set_state(State.LEASED)
         self._runner_task = asyncio.get_running_loop().create_task(self._run_lease(runner))
+
+    def _report_final_step(self, session: _Session, ref: fpb.LeaseRef) -> None:
+        """Its job was canceled: one last heartbeat says the step this lease reached, which
+        the scheduler records as the canceled job's progress (the last periodic heartbeat
+        may be an interval behind). Sent before the run stops, so it is the step the cancel
+        found; the scheduler takes it once, from this stream only."""
+        runner = self._runner
+        if (
+            isinstance(runner, LeaseRunner)
+            and runner.holds_lease
+            and same_lease(ref, runner.ref.lease_id, runner.ref.epoch)
+        ):
+            session.send(fpb.ConnectRequest(heartbeat=self._heartbeat()))
 
     def _lease_gone(self, ref: fpb.LeaseRef, reason: str) -> None:
         """LeaseRevoked or Rejected: stop acting on that lease at once."""
