@@ -16,6 +16,7 @@ from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.ledger.ledger import Ledger
 from lorafleet.scheduler.signing import UrlSigner
+from tests.scheduler.test_ledger import in_good_standing
 from tests.support.artifacts import checkpoint_blob, lora_blob
 from tests.support.fleet import Fleet
 from tests.support.workers import connect_worker, local_identity
@@ -224,10 +225,14 @@ async def test_an_input_failure_fails_the_job_once_a_second_machine_confirms_it(
 ) -> None:
     """One machine alone cannot fail a job by calling its inputs bad (workers are strangers'
     machines): its report bans it from the job and re-queues it, counting no failure; a second
-    machine's input fault fails the job with no failure counted against any node."""
+    machine's input fault fails the job with no failure counted against any node. Both are
+    provider-verified machines whose standing predates the job (a verified result of their own
+    more than standing_min_age_s before it was submitted): fresh machines' word is a node fault
+    (tests/scaler/test_colluding_machines.py)."""
     job = await fleet.alice.submit(max_failures=5)
     for machine_id in ("a", "b"):
         async with connect_worker(fleet.channel, fleet.token, machine_id) as worker:
+            await in_good_standing(fleet.scheduler.database_url, machine_id)
             granted = await worker.ready_for_lease()
             await worker.send(
                 job_failed=fpb.JobFailed(

@@ -418,6 +418,12 @@ class Quarantine:
     empty_lease_limit: int = 10
 
 
+# A machine's word against a job (an internal error toward max_failures, an input fault's
+# confirmation) counts only if it delivered a verified result this long before the job was
+# submitted (lorafleet_good_standing): machines arriving together have no say for 6 hours.
+STANDING_MIN_AGE_S = 6 * 3600.0
+
+
 class Ledger:
     """All reads and writes of the job ledger. Create with `await Ledger.connect(url)`."""
 
@@ -427,12 +433,17 @@ class Ledger:
         *,
         quarantine: Quarantine | None = None,
         fleet_max_vram_mb: int = 0,
+        standing_min_age_s: float = STANDING_MIN_AGE_S,
     ) -> None:
         self._pool = pool
         self.quarantine = quarantine or Quarantine()
         # The largest node class the fleet runs (MiB; 0: not configured; fail_attempt's $6):
         # what a node smaller than it cannot hold, a larger one may.
         self.fleet_max_vram_mb = fleet_max_vram_mb
+        # How long before a job's submission a machine must have delivered a verified result
+        # for its word (an internal error, an input fault) to count against that job
+        # (fail_attempt's $7, lorafleet_good_standing): what fresh machines cannot earn fast.
+        self.standing_min_age_s = standing_min_age_s
 
     @classmethod
     async def connect(
@@ -443,6 +454,7 @@ class Ledger:
         max_size: int = 20,
         quarantine: Quarantine | None = None,
         fleet_max_vram_mb: int = 0,
+        standing_min_age_s: float = STANDING_MIN_AGE_S,
     ) -> Ledger:
         try:
             pool = await asyncpg.create_pool(
@@ -454,7 +466,12 @@ class Ledger:
                 raise
             raise translated from exc
         assert pool is not None
-        return cls(pool, quarantine=quarantine, fleet_max_vram_mb=fleet_max_vram_mb)
+        return cls(
+            pool,
+            quarantine=quarantine,
+            fleet_max_vram_mb=fleet_max_vram_mb,
+            standing_min_age_s=standing_min_age_s,
+        )
 
     async def close(self) -> None:
         await self._pool.close()
@@ -776,6 +793,7 @@ class Ledger:
             message,
             list(OPERATOR_RUN_PROVIDERS),
             self.fleet_max_vram_mb,
+            self.standing_min_age_s,
         )
         return None if row is None else job_from_row(row)
 

@@ -458,21 +458,24 @@ SELECT * FROM requeued;
 -- name: fail_attempt
 -- $1 lease, $2 epoch, $3 class (NODE | INPUT | INTERNAL), $4 message, $5 the identity providers
 -- whose machines the operator runs (lorafleet up's local supervisor, EC2 in its own account),
--- $6 the fleet's largest node memory in MB (0: unknown).
+-- $6 the fleet's largest node memory in MB (0: unknown), $7 standing_min_age_s.
 -- Every class bans the machine: a job is never leased again to a machine it failed on, so one
 -- machine can spend at most one attempt of a job. A job's failure budget is the job's:
 -- `failures` (against max_failures) counts only what the job can be blamed for, INTERNAL
--- errors from distinct machines in good standing (lorafleet_good_standing: provider-verified,
--- a verified result of its own since its last node fault), recounted at every failure, so that
--- attempts on a machine quarantined since count for nothing. INPUT counts none. It fails the
--- job at once when the machine is one of the operator's own (provider-verified by a provider
--- in $5): waiting for a second machine there only re-queues a job that cannot succeed and
--- makes the scaler fetch a node for it. From any other machine it fails the job only once a
--- second machine reports an input fault too: those are strangers' machines, and one of them
--- alone must not be able to fail every job it is handed by calling its inputs bad
--- (docs/THREAT_MODEL.md). Every other attempt (NODE, INTERNAL from a machine not in good
--- standing, an unconfirmed INPUT) counts in `node_faults` and fails the job only at
--- max_node_faults: a few broken or hostile machines cannot fail a job an honest node runs.
+-- errors from distinct machines in good standing for this job (lorafleet_good_standing:
+-- provider-verified, a verified result of its own $7 seconds before the job was submitted and
+-- no node fault since, most of its last attempts succeeded: a group of fresh machines cannot
+-- earn it quickly), recounted at every failure, so that attempts on a machine gone bad since
+-- count for nothing. INPUT counts none. It fails the job at once when the machine is one of
+-- the operator's own (provider-verified by a provider in $5): waiting for a second machine
+-- there only re-queues a job that cannot succeed and makes the scaler fetch a node for it.
+-- From any other machine it fails the job only when this machine and another that reported an
+-- input fault on it are both in good standing for the job: those are strangers' machines, and
+-- neither one of them alone nor a group of fresh ones may fail every job it is handed by
+-- calling its inputs bad (docs/THREAT_MODEL.md). Every other attempt (NODE, INTERNAL from a
+-- machine not in good standing, an unconfirmed INPUT) counts in `node_faults` and fails the
+-- job only at max_node_faults: a few broken or hostile machines cannot fail a job an honest
+-- node runs.
 -- An INTERNAL error on a node smaller than the fleet's largest class ($6 MiB,
 -- fleet_max_vram_mb; 0: none) is taken for what the worker classes as INTERNAL, an
 -- out-of-memory: the scheduler's mistake (the job's need was underestimated), not the node's
@@ -482,7 +485,7 @@ SELECT * FROM requeued;
 -- class it is an INTERNAL error like any other.
 WITH target AS (
     SELECT j.job_id, j.lease_id, j.machine_id, j.epoch, j.failures, j.max_failures,
-           j.node_faults, j.max_node_faults,
+           j.node_faults, j.max_node_faults, j.created_at AS submitted_at,
            coalesce($3 = 'INTERNAL'
                     AND (SELECT m.vram_mb FROM machines m WHERE m.machine_id = j.machine_id)
                         < $6::bigint, false) AS outgrown,
@@ -493,12 +496,15 @@ WITH target AS (
     FOR UPDATE OF j
 ), judged AS (
     SELECT t.*,
-           $3 = 'INTERNAL' AND NOT t.outgrown AND lorafleet_good_standing(t.machine_id)
-               AS blamed,
-           $3 = 'INPUT' AND (EXISTS (
-                   SELECT 1 FROM job_events e
-                   WHERE e.job_id = t.job_id AND e.kind = 'ATTEMPT_FAILED'
-                     AND e.failure_class = 'INPUT' AND e.machine_id <> t.machine_id)
+           $3 = 'INTERNAL' AND NOT t.outgrown
+               AND lorafleet_good_standing(t.machine_id, t.submitted_at, $7) AS blamed,
+           $3 = 'INPUT' AND ((
+                   lorafleet_good_standing(t.machine_id, t.submitted_at, $7)
+                   AND EXISTS (
+                       SELECT 1 FROM job_events e
+                       WHERE e.job_id = t.job_id AND e.kind = 'ATTEMPT_FAILED'
+                         AND e.failure_class = 'INPUT' AND e.machine_id <> t.machine_id
+                         AND lorafleet_good_standing(e.machine_id, t.submitted_at, $7)))
                OR EXISTS (
                    SELECT 1 FROM machines m
                    WHERE m.machine_id = t.machine_id
@@ -506,7 +512,7 @@ WITH target AS (
            (SELECT count(DISTINCT l.machine_id) FROM leases l
             WHERE l.job_id = t.job_id AND l.end_reason = 'failed: internal'
               AND l.machine_id <> t.machine_id
-              AND lorafleet_good_standing(l.machine_id)) AS blamed_before
+              AND lorafleet_good_standing(l.machine_id, t.submitted_at, $7)) AS blamed_before
     FROM target t
 ), decided AS (
     SELECT j.*,
