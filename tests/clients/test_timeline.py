@@ -18,11 +18,13 @@ import pytest
 
 from lorafleet.cli.timeline import (
     LeaseOutcome,
+    SampleOutcome,
     format_duration,
     layout_timeline,
     leases_from_events,
     render_timeline_html,
     render_timeline_svg,
+    sample_spans_from_events,
     timeline_command,
     write_timeline,
 )
@@ -481,3 +483,80 @@ def test_the_legend_shows_what_is_drawn_as_it_is_drawn() -> None:
     # The heartbeat swatch is the lease it was drawn on, not the running colour.
     assert fills == [succeeded, succeeded, tl._QUEUED, tl._RUNNING_STRIP]
     assert tl.OUTCOME_COLORS[tl.LeaseOutcome.RUNNING] not in fills
+
+
+def test_sample_tasks_get_lanes_of_their_own() -> None:
+    """Issue 32: the wall time in the title ran to the last sample task, but no lane showed
+    them. Each machine that drew validation images gets a lane below the training lanes, a bar
+    per attempt, ended by its SAMPLES or SAMPLES_FAILED (matched by step and machine, as the
+    ledger records them without a lease id) or by its task's next start."""
+    events = (
+        Events()
+        .add(EventKind.SUBMITTED, 0, state=JobState.QUEUED)
+        .add(EventKind.LEASE_GRANTED, 1, machine_id="m1", lease_id="l1", epoch=1)
+        .add(EventKind.CHECKPOINT_COMMITTED, 5, machine_id="m1", lease_id="l1", epoch=1, step=50)
+        # The messages are the ledger's: 'sample task <id> attempt <epoch>'.
+        .add(
+            EventKind.SAMPLES_STARTED,
+            6,
+            machine_id="m2",
+            step=50,
+            message="sample task t1 attempt 1",
+        )
+        # m2 went away without a word; the task started again on m3.
+        .add(
+            EventKind.SAMPLES_STARTED,
+            9,
+            machine_id="m3",
+            step=50,
+            message="sample task t1 attempt 2",
+        )
+        .add(EventKind.SAMPLES, 12, machine_id="m3", step=50, message="4 validation images stored")
+        .add(EventKind.SUCCEEDED, 20, machine_id="m1", lease_id="l1", epoch=1, step=100)
+        .add(
+            EventKind.SAMPLES_STARTED,
+            21,
+            machine_id="m3",
+            step=100,
+            message="sample task t2 attempt 1",
+        )
+        .add(
+            EventKind.SAMPLES_STARTED,
+            22,
+            machine_id="m1",
+            step=100,
+            message="sample task t3 attempt 1",
+        )
+        .add(EventKind.SAMPLES_FAILED, 30, machine_id="m1", step=100, message="out of memory")
+        .items
+    )
+    spans = sample_spans_from_events(reversed(events))
+    assert [(s.task, s.machine_id, s.outcome, s.ended_at) for s in spans] == [
+        ("t1", "m2", SampleOutcome.RETRIED, at(9)),
+        ("t1", "m3", SampleOutcome.STORED, at(12)),
+        ("t2", "m3", SampleOutcome.RUNNING, None),
+        ("t3", "m1", SampleOutcome.FAILED, at(30)),
+    ]
+    job = make_job(state=JobState.SUCCEEDED, finished_at=at(20))
+    svg = render_timeline_svg(job, events, now=at(40))
+    # Training's lane, then one per machine that sampled, in order of first start.
+    assert [tooltip(lane) for lane in by_class(svg, "lane")] == ["m1"]
+    assert [tooltip(lane) for lane in by_class(svg, "lane samples")] == [
+        "sample tasks on m2",
+        "sample tasks on m3",
+        "sample tasks on m1",
+    ]
+    (stored,) = by_class(svg, "sample stored")
+    assert tooltip(stored) == (
+        "validation images of step 50 on m3: 3s, stored (4 validation images stored)"
+    )
+    (failed,) = by_class(svg, "sample failed")
+    assert "failed (out of memory)" in tooltip(failed)
+    assert len(by_class(svg, "sample retried")) == 1
+    assert len(by_class(svg, "sample running")) == 1
+    legend = " ".join(el.text or "" for el in ET.fromstring(svg).iter() if el.text)
+    for outcome in SampleOutcome:
+        assert f"sample task {outcome.value}" in legend
+    # A job without sample tasks draws no sample lane and no such legend entry.
+    plain = render_timeline_svg(job, [e for e in events if "SAMPLES" not in e.kind.value])
+    assert by_class(plain, "lane samples") == [] and "sample task" not in plain

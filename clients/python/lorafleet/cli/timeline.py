@@ -1,7 +1,8 @@
 """A picture of one job's life: who held it, for how long, how each lease ended, what it saved.
 
 One horizontal lane per machine (in order of first lease), one bar per lease from grant to its
-end, coloured by how it ended; heartbeat ticks, checkpoint diamonds with their steps,
+end, coloured by how it ended (and below them a lane per machine that drew validation images,
+one bar per sample task attempt); heartbeat ticks, checkpoint diamonds with their steps,
 interruption crosses where a lease ended without a result, the step curve, and a time axis in
 seconds or minutes from submit. The title carries the job id, state, steps, wall time and
 GPU-seconds: the ledger's own figure (`Job.gpu_seconds`, reported by the server), never a sum
@@ -10,6 +11,7 @@ recomputed here, so the picture and the bill cannot disagree.
 Entry points (the CLI calls `timeline_command`; the rest are pure functions of domain values):
 
     leases_from_events(events) -> list[LeaseSpan]
+    sample_spans_from_events(events) -> list[SampleSpan]
     layout_timeline(job, events, *, now=None) -> Drawing
     render_timeline_svg(job, events, *, now=None) -> str
     render_timeline_html(job, events, *, now=None) -> str
@@ -29,6 +31,7 @@ import base64
 import enum
 import html
 import io
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -49,6 +52,8 @@ __all__ = [
     "Heartbeat",
     "LeaseOutcome",
     "LeaseSpan",
+    "SampleOutcome",
+    "SampleSpan",
     "drawing_to_png",
     "drawing_to_svg",
     "format_duration",
@@ -57,6 +62,7 @@ __all__ = [
     "render_timeline_html",
     "render_timeline_png",
     "render_timeline_svg",
+    "sample_spans_from_events",
     "timeline_command",
     "write_timeline",
 ]
@@ -252,11 +258,99 @@ def leases_from_events(events: Iterable[JobEvent]) -> list[LeaseSpan]:
             draft.detail = event.message
             if kind is EventKind.SUCCEEDED and event.step is not None:
                 draft.end_step = event.step
+            elif kind is EventKind.LEASE_EXPIRED and event.step is not None:
+                # The holder's last report, which the timeline's (rate-limited) heartbeats
+                # may not have carried.
+                draft.end_step = max(draft.end_step or 0, event.step)
     return [d.freeze(deleted) for d in drafts]
 
 
 def _checkpoint_step(event: JobEvent) -> int | None:
     return event.checkpoint.step if event.checkpoint is not None else None
+
+
+class SampleOutcome(enum.StrEnum):
+    """How one attempt at a step's validation images ended; RUNNING while it is held."""
+
+    RUNNING = "running"
+    STORED = "stored"
+    FAILED = "failed"
+    # Ended without a word (its machine drained, reconnected or gave way to training): the
+    # next SAMPLES_STARTED of the same task is a new attempt.
+    RETRIED = "retried"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleSpan:
+    """One sample task attempt (a worker drawing a step's validation images), as the events
+    tell it: from SAMPLES_STARTED to its SAMPLES, SAMPLES_FAILED or the task's next start."""
+
+    task: str  # the task id SAMPLES_STARTED names, else "step N"
+    step: int | None
+    machine_id: str
+    started_at: datetime
+    ended_at: datetime | None
+    outcome: SampleOutcome
+    detail: str | None  # how many images, or why it failed
+
+
+_SAMPLE_TASK = re.compile(r"sample task (\S+)")
+
+
+@dataclass(kw_only=True)
+class _SampleDraft:
+    task: str
+    step: int | None
+    machine_id: str
+    started_at: datetime
+    ended_at: datetime | None = None
+    outcome: SampleOutcome = SampleOutcome.RUNNING
+    detail: str | None = None
+
+
+def sample_spans_from_events(events: Iterable[JobEvent]) -> list[SampleSpan]:
+    """Every sample task attempt of one job, in start order. The ledger's sample events carry
+    no lease id: an ending is matched to the open attempt of its step on its machine, else of
+    its step anywhere; an ending with no open attempt (its start is not among `events`) is
+    left out."""
+    drafts: list[_SampleDraft] = []
+    for event in sorted(events, key=lambda e: e.event_id):
+        if event.kind is EventKind.SAMPLES_STARTED:
+            found = _SAMPLE_TASK.search(event.message or "")
+            task = found.group(1) if found else f"step {event.step}"
+            for earlier in drafts:
+                if earlier.task == task and earlier.ended_at is None:
+                    earlier.ended_at, earlier.outcome = event.at, SampleOutcome.RETRIED
+            drafts.append(
+                _SampleDraft(
+                    task=task,
+                    step=event.step,
+                    machine_id=event.machine_id or "?",
+                    started_at=event.at,
+                )
+            )
+        elif event.kind in (EventKind.SAMPLES, EventKind.SAMPLES_FAILED):
+            open_ = [d for d in drafts if d.ended_at is None and d.step == event.step]
+            mine = [d for d in open_ if d.machine_id == event.machine_id]
+            if not (candidates := mine or open_):
+                continue
+            draft = candidates[0]
+            draft.ended_at, draft.detail = event.at, event.message
+            draft.outcome = (
+                SampleOutcome.STORED if event.kind is EventKind.SAMPLES else SampleOutcome.FAILED
+            )
+    return [
+        SampleSpan(
+            task=d.task,
+            step=d.step,
+            machine_id=d.machine_id,
+            started_at=d.started_at,
+            ended_at=d.ended_at,
+            outcome=d.outcome,
+            detail=d.detail,
+        )
+        for d in drafts
+    ]
 
 
 def _state_segments(
@@ -380,6 +474,13 @@ OUTCOME_COLORS = {
     LeaseOutcome.FAILED: "#d43f3f",
     LeaseOutcome.CANCELED: "#8a8a8a",
 }
+# Sample tasks in tones of their own, apart from the leases' (a stored one is not a result).
+SAMPLE_COLORS = {
+    SampleOutcome.RUNNING: "#7fb2e5",
+    SampleOutcome.STORED: "#2a9d8f",
+    SampleOutcome.FAILED: "#e07a7a",
+    SampleOutcome.RETRIED: "#c9a227",
+}
 _INK = "#222222"
 _MUTED = "#6b6b6b"
 _GRID = "#e4e4e4"
@@ -480,14 +581,20 @@ def layout_timeline(
         y += 16
 
     machines = list(dict.fromkeys(lease.machine_id for lease in leases))
+    # Sample tasks (validation images) run after or beside training, often on other machines:
+    # one lane per machine that drew them, below the training lanes. The wall time in the
+    # title runs to the last of them, so the picture must show where that time went.
+    samples = sample_spans_from_events(events)
+    sampling = list(dict.fromkeys(span.machine_id for span in samples))
     show_steps = any(lease.heartbeats or lease.checkpoints for lease in leases)
     strip_y = y + 14
     lanes_y = strip_y + 24
-    panel_y = lanes_y + len(machines) * _LANE_H + 24
+    panel_y = lanes_y + (len(machines) + len(sampling)) * _LANE_H + 24
     axis_y = panel_y + (_STEP_PANEL_H + 14 if show_steps else 0)
 
     # Backgrounds, then the grid, then the marks: later shapes paint over earlier ones.
-    for index, machine in enumerate(machines):
+    lane_titles = [*machines, *(f"sample tasks on {machine}" for machine in sampling)]
+    for index, lane_title in enumerate(lane_titles):
         shapes.append(
             Rect(
                 x=_LEFT,
@@ -495,8 +602,8 @@ def layout_timeline(
                 w=plot_w,
                 h=_LANE_H,
                 fill="#f4f5f7" if index % 2 == 0 else "#ffffff",
-                role="lane",
-                title=machine,
+                role="lane" if index < len(machines) else "lane samples",
+                title=lane_title,
             )
         )
     tick_s = next((t for t in _TICK_STEPS_S if span_s / t <= 10), _TICK_STEPS_S[-1])
@@ -542,6 +649,25 @@ def layout_timeline(
         )
         for lease in mine:
             shapes.extend(_lease_shapes(lease, bar_y, x_of, end))
+    for index, machine in enumerate(sampling, start=len(machines)):
+        bar_y = lanes_y + index * _LANE_H + 26
+        tasks = [span for span in samples if span.machine_id == machine]
+        label = machine if len(machine) <= 22 else machine[:21] + "…"
+        shapes.append(Text(x=_LEFT - 12, y=bar_y + 11, text=label, size=13, anchor="end"))
+        held_s = sum(((t.ended_at or end) - t.started_at).total_seconds() for t in tasks)
+        shapes.append(
+            Text(
+                x=_LEFT - 12,
+                y=bar_y + 27,
+                text=f"{len(tasks)} sample task{'s' * (len(tasks) != 1)}"
+                f" · {format_duration(held_s)}",
+                size=10,
+                fill=_MUTED,
+                anchor="end",
+            )
+        )
+        for task in tasks:
+            shapes.extend(_sample_shapes(task, bar_y, x_of, end))
 
     if show_steps:
         shapes.extend(_step_panel(job, leases, panel_y, x_of))
@@ -562,7 +688,7 @@ def layout_timeline(
             anchor="end",
         )
     )
-    legend, legend_h = _legend(leases, axis_y + 50, drawn_states)
+    legend, legend_h = _legend(leases, axis_y + 50, drawn_states, samples)
     shapes.extend(legend)
     return Drawing(
         width=_WIDTH,
@@ -702,6 +828,27 @@ def _lease_shapes(lease: LeaseSpan, bar_y: float, x_of: _XOf, end: datetime) -> 
     return shapes
 
 
+def _sample_shapes(task: SampleSpan, bar_y: float, x_of: _XOf, end: datetime) -> list[Shape]:
+    ended = task.ended_at or end
+    x0, x1 = x_of(task.started_at), x_of(ended)
+    held = format_duration((ended - task.started_at).total_seconds())
+    how = task.outcome.value + (f" ({task.detail})" if task.detail else "")
+    shapes: list[Shape] = [
+        Rect(
+            x=x0,
+            y=bar_y,
+            w=max(x1 - x0, 1.5),
+            h=_BAR_H,
+            fill=SAMPLE_COLORS[task.outcome],
+            role=f"sample {task.outcome.value}",
+            title=f"validation images of step {task.step} on {task.machine_id}: {held}, {how}",
+        )
+    ]
+    if task.step is not None and x1 - x0 > 30:
+        shapes.append(Text(x=x0 + 4, y=bar_y + 14, text=f"s{task.step}", size=10, fill="#ffffff"))
+    return shapes
+
+
 def _step_panel(job: Job, leases: Sequence[LeaseSpan], top: float, x_of: _XOf) -> list[Shape]:
     """Step against time, one line per lease: a drop between leases is work redone after an
     interruption (the new holder resumes from the newest checkpoint, not the last heartbeat)."""
@@ -753,7 +900,10 @@ def _warning(x: float, base_y: float) -> tuple[tuple[float, float], ...]:
 
 
 def _legend(
-    leases: Sequence[LeaseSpan], top: float, states: set[JobState] | None = None
+    leases: Sequence[LeaseSpan],
+    top: float,
+    states: set[JobState] | None = None,
+    samples: Sequence[SampleSpan] = (),
 ) -> tuple[list[Shape], float]:
     """A swatch for each thing the picture draws (and nothing it does not), drawn as the
     picture draws it; wraps onto further rows."""
@@ -788,6 +938,11 @@ def _legend(
         for lease in leases
     ):
         items.append(("silent", "silent (no heartbeat)"))
+    items += [
+        (f"sample {o.value}", f"sample task {o.value}")
+        for o in SampleOutcome
+        if any(span.outcome is o for span in samples)
+    ]
     for state in (JobState.QUEUED, JobState.RUNNING):
         if states is None or state in states:
             items.append((f"job {state.value.lower()}", f"job {state.value.lower()}"))
@@ -808,6 +963,9 @@ def _legend(
 def _swatch(key: str, x: float, cy: float) -> list[Shape]:
     if key.startswith("lease "):
         color = OUTCOME_COLORS[LeaseOutcome(key.removeprefix("lease "))]
+        return [Rect(x=x - 8, y=cy - 6, w=16, h=12, fill=color)]
+    if key.startswith("sample "):
+        color = SAMPLE_COLORS[SampleOutcome(key.removeprefix("sample "))]
         return [Rect(x=x - 8, y=cy - 6, w=16, h=12, fill=color)]
     if key == "checkpoint":
         return [Polygon(points=_diamond(x, cy, 6), fill=_CHECKPOINT, stroke=_CHECKPOINT)]
