@@ -172,6 +172,29 @@ async def test_out_of_memory_on_the_largest_node_class_is_an_internal_error(
         assert (await big_2.ready_for_lease()).lease.job_id == job.job_id
 
 
+async def test_a_node_just_under_the_largest_class_strands_no_job(fleet: Fleet) -> None:
+    """Cards report less memory than their class's nominal size: torch sees a 24 GB RTX 4090
+    as 24_564 MiB, below fleet_max_vram_mb (24_576 by default). Before, an out of memory on a
+    node just under the fleet's largest class (an honest 4090, or a hostile verified machine
+    announcing 24_575 MiB to strand the jobs it is handed) raised the job's need past every
+    real 4090: it waited QUEUED for ever. A node within 10% of fleet_max_vram_mb is of the
+    largest class: its INTERNAL error is an error like any other, and a 4090 gets the job."""
+    job = await fleet.alice.submit(**FLUX_QLORA)
+    async with connect_worker(fleet.channel, fleet.token, "liar", vram_mb=24_575) as liar:
+        granted = await liar.ready_for_lease()
+        assert granted.lease.job_id == job.job_id
+        await liar.send(
+            job_failed=fpb.JobFailed(
+                lease=liar.ref(granted.lease),
+                failure_class=pb.FAILURE_CLASS_INTERNAL,
+                message="out of memory: CUDA out of memory. Tried to allocate 2.00 GiB",
+            )
+        )
+        await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_QUEUED)
+    async with connect_worker(fleet.channel, fleet.token, "rtx-4090", vram_mb=24_564) as honest:
+        assert (await honest.ready_for_lease()).lease.job_id == job.job_id
+
+
 async def test_a_hello_naming_too_many_families_is_refused(fleet: Fleet) -> None:
     """The list is bounded (each name is matched in every claim): past 32 names the Hello is
     INVALID_ARGUMENT naming hello.families."""

@@ -482,13 +482,17 @@ SELECT * FROM requeued;
 -- nor the job's. The job's memory need is raised above that node's memory (it goes to larger
 -- nodes only); it counts nothing, bans no one, and the lease ends 'outgrown' (no empty lease
 -- toward quarantine). Each raise passes one more node size, so there are few; on the largest
--- class it is an INTERNAL error like any other.
+-- class it is an INTERNAL error like any other. A node within 10% of $6 is of the largest
+-- class: cards report less than their nominal size (torch sees a 24 GB RTX 4090 as 24564 MiB),
+-- and a raise past them (by an honest out-of-memory, or a machine announcing 24575 MiB) would
+-- leave the job needing more than any real node of that class: QUEUED for ever. A raise thus
+-- stops at 90% of $6.
 WITH target AS (
     SELECT j.job_id, j.lease_id, j.machine_id, j.epoch, j.failures, j.max_failures,
            j.node_faults, j.max_node_faults, j.created_at AS submitted_at,
            coalesce($3 = 'INTERNAL'
                     AND (SELECT m.vram_mb FROM machines m WHERE m.machine_id = j.machine_id)
-                        < $6::bigint, false) AS outgrown,
+                        < 0.9 * $6::bigint, false) AS outgrown,
            (SELECT m.vram_mb FROM machines m WHERE m.machine_id = j.machine_id) AS node_vram_mb
     FROM jobs j
     WHERE j.lease_id = $1 AND j.epoch = $2 AND j.state = 'RUNNING'
