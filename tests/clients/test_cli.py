@@ -17,6 +17,7 @@ from lorafleet.app.main import main
 from lorafleet.core.model import RESULT_FILE_NAMES
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as jpb
+from tests.scheduler.test_ledger import in_good_standing
 from tests.support.artifacts import lora_blob
 from tests.support.fleet import Fleet
 from tests.support.images import jpeg
@@ -330,3 +331,50 @@ async def test_cli_downloads_either_result_file_of_a_both_formats_job(
         assert await asyncio.to_thread(path.read_bytes) == data
     code, out, _ = await lorafleet(capsys, monkeypatch, fleet, "get", job["job_id"], "--json")
     assert json.loads(out)["result"]["kohya"]["key"] == urls.kohya_result_upload.key
+
+
+async def test_get_and_watch_say_why_a_queued_job_waits(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32: a job one SaladCloud machine called bad input waits QUEUED for a second
+    machine's word, with no error; `get` and `watch` now say so."""
+    job = await fleet.alice.submit(max_failures=5)
+    async with connect_worker(fleet.channel, fleet.token, "a") as worker:
+        await in_good_standing(fleet.scheduler.database_url, "a")
+        granted = await worker.ready_for_lease()
+        await worker.send(
+            job_failed=fpb.JobFailed(
+                lease=worker.ref(granted.lease),
+                failure_class=jpb.FAILURE_CLASS_INPUT,
+                message="x.png: unreadable",
+            )
+        )
+        await fleet.alice.wait_for(job.job_id, lambda j: j.state == jpb.JOB_STATE_QUEUED)
+    reason = (
+        "attempt 1 failed (input fault: x.png: unreadable); waiting for a second machine to"
+        " confirm it before the job fails"
+    )
+    code, out, _ = await lorafleet(capsys, monkeypatch, fleet, "get", job.job_id)
+    assert code == 0 and f"waiting    {reason}" in out
+    code, out, _ = await lorafleet(capsys, monkeypatch, fleet, "get", job.job_id, "--json")
+    assert code == 0 and json.loads(out)["waiting_reason"] == reason
+
+    # The watch has read the queued job once the scheduler starts following it for the watch
+    # (observed, not replaced): only then is the job canceled, so the watch sees it queued.
+    notifications = fleet.scheduler._notifications
+    assert notifications is not None
+    following = asyncio.Event()
+    follow = notifications.watch_job
+
+    def observed(job_id: str) -> asyncio.Event:
+        following.set()
+        return follow(job_id)
+
+    monkeypatch.setattr(notifications, "watch_job", observed)
+    watching = asyncio.create_task(lorafleet(capsys, monkeypatch, fleet, "watch", job.job_id))
+    async with asyncio.timeout(30):
+        await following.wait()
+    await fleet.alice.cancel(job.job_id)
+    async with asyncio.timeout(30):
+        code, _, err = await watching
+    assert code == 1 and f"queued: {reason}" in " ".join(err.split())

@@ -289,6 +289,47 @@ async def test_an_input_fault_from_the_operators_own_machine_fails_the_job_at_on
     assert await fleet.scheduler.ledger.count_queued(10) == 0
 
 
+async def test_a_queued_job_says_why_it_waits_until_it_runs_again(fleet: Fleet) -> None:
+    """Issue 32: a job whose input fault one machine reported waits QUEUED for a second
+    machine's word with no error (it has not failed), and `get` showed no reason. Its
+    waiting_reason says what ended its newest attempt and what it waits for; it is gone once
+    a machine runs the job, and comes back with the next ending (a drain), in list as in get."""
+    job = await fleet.alice.submit(max_failures=5)
+    assert (await fleet.alice.get(job.job_id)).waiting_reason == ""  # no attempt yet
+    async with connect_worker(fleet.channel, fleet.token, "a") as worker:
+        await in_good_standing(fleet.scheduler.database_url, "a")
+        granted = await worker.ready_for_lease()
+        await worker.send(
+            job_failed=fpb.JobFailed(
+                lease=worker.ref(granted.lease),
+                failure_class=pb.FAILURE_CLASS_INPUT,
+                message="x.png: unreadable",
+            )
+        )
+        queued = await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_QUEUED)
+    assert queued.error == "" and queued.failures == 0
+    assert queued.waiting_reason == (
+        "attempt 1 failed (input fault: x.png: unreadable); waiting for a second machine to"
+        " confirm it before the job fails"
+    )
+    async with connect_worker(fleet.channel, fleet.token, "b") as worker:
+        granted = await worker.ready_for_lease()
+        running = await fleet.alice.get(job.job_id)
+        assert running.state == pb.JOB_STATE_RUNNING and running.waiting_reason == ""
+        await worker.send(draining=fpb.Draining(lease=worker.ref(granted.lease), reason="SIGTERM"))
+        drained = await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_QUEUED)
+    assert drained.waiting_reason == (
+        "attempt 2 drained (SIGTERM); waiting for a machine to resume it"
+    )
+    (listed,) = await fleet.scheduler.ledger.list_jobs(
+        "alice", states=[], labels={}, after=None, limit=10
+    )
+    assert listed.waiting_reason == drained.waiting_reason
+    canceled = await fleet.alice.cancel(job.job_id)
+    assert canceled.state == pb.JOB_STATE_CANCELED
+    assert (await fleet.alice.get(job.job_id)).waiting_reason == ""  # final: waits for nothing
+
+
 async def test_a_relative_model_path_is_refused_at_submit_naming_the_field(fleet: Fleet) -> None:
     """A relative path is resolved on each worker against its own folder: it can never name
     what the submitter sees, so it is refused before a job exists. Absolute paths and hub ids

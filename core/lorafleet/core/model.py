@@ -209,6 +209,11 @@ class Job:
     # in good standing), and the bound on them; `failures` counts only what it is blamed for.
     node_faults: int = 0
     max_node_faults: int = 0
+    # Why a QUEUED job waits after an attempt ended (its newest attempt failed, drained or
+    # expired, and what that means: another machine, or a second machine's confirmation of an
+    # input fault); None while it runs, once it is final, and before its first attempt. Known on
+    # reads (get, list, watch), derived from the job's events, so nothing has to clear it.
+    waiting_reason: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

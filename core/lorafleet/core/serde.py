@@ -215,6 +215,7 @@ def job_to_proto(job: Job) -> pb.Job:
         finished_at=timestamp(job.finished_at),
         machine_id=job.machine_id or "",
         gpu_seconds=job.gpu_seconds or 0.0,
+        waiting_reason=job.waiting_reason or "",
     )
     if job.latest_checkpoint is not None:
         msg.latest_checkpoint.CopyFrom(checkpoint_to_proto(job.latest_checkpoint))
@@ -301,6 +302,7 @@ def job_from_proto(msg: pb.Job) -> Job:
         failures=msg.failures,
         node_faults=msg.node_faults,
         max_node_faults=msg.max_node_faults,
+        waiting_reason=msg.waiting_reason or None,
         progress=Progress(
             step=p.step,
             max_steps=p.max_steps,

@@ -182,6 +182,7 @@ def job_json(job: Job) -> dict[str, Any]:
         "eta_seconds": p.eta_seconds,
         "machine_id": job.machine_id,
         "error": job.error,
+        "waiting_reason": job.waiting_reason,
         "failure_class": job.failure_class.value if job.failure_class else None,
         "result": dataclasses.asdict(job.result) if job.result else None,
         "latest_checkpoint_step": job.latest_checkpoint.step if job.latest_checkpoint else None,
@@ -248,6 +249,9 @@ def describe_job(job: Job) -> str:
     lines = [
         f"job        {job.job_id}",
         f"state      {job.state.value}" + (f" ({job.error})" if job.error else ""),
+        # A queued job that has had an attempt says why it waits (issue 32: an input fault
+        # one SaladCloud machine reported waits for a second machine's word, with no error).
+        *([f"waiting    {job.waiting_reason}"] if job.waiting_reason else []),
         f"progress   step {p.step}/{p.max_steps}"
         + (f", loss {p.loss:.4f}" if p.loss is not None else "")
         + (f", {p.seconds_per_step:.2f} s/step" if p.seconds_per_step else "")
@@ -461,8 +465,12 @@ async def watch(client: AsyncClient, job_id: str, *, as_json: bool) -> int:
         return 0 if final is not None and final.state is JobState.SUCCEEDED else 1
     with Progress(*watch_columns(), console=console, transient=False) as progress:
         task = None
+        said_waiting: str | None = None
         async for update in client.watch(job_id, on_waiting=waiting):
             job = final = update.job
+            if job.waiting_reason and job.waiting_reason != said_waiting:
+                progress.console.print(f"queued: {job.waiting_reason}", style="yellow")
+            said_waiting = job.waiting_reason
             p = job.progress
             state = job.state.value.lower()
             loss = f"{p.loss:.4f}" if p.loss is not None else "-"

@@ -961,6 +961,7 @@ class Job(_message.Message):
     GPU_SECONDS_FIELD_NUMBER: _builtins.int
     NODE_FAULTS_FIELD_NUMBER: _builtins.int
     MAX_NODE_FAULTS_FIELD_NUMBER: _builtins.int
+    WAITING_REASON_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     state: Global___JobState.ValueType
     epoch: _builtins.int
@@ -982,6 +983,12 @@ class Job(_message.Message):
     and internal errors the job is blamed for); the job fails at max_node_faults of them.
     """
     max_node_faults: _builtins.int
+    waiting_reason: _builtins.str
+    """Why a QUEUED job waits after an attempt ended: its newest attempt failed, drained or
+    expired, and what the job waits for (another machine; for an input fault one machine
+    reported, a second machine to confirm it). Empty while it runs, once it is final, and before
+    its first attempt.
+    """
     @_builtins.property
     def spec(self) -> Global___JobSpec: ...
     @_builtins.property
@@ -1016,10 +1023,11 @@ class Job(_message.Message):
         gpu_seconds: _builtins.float = ...,
         node_faults: _builtins.int = ...,
         max_node_faults: _builtins.int = ...,
+        waiting_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "latest_checkpoint", b"latest_checkpoint", "progress", b"progress", "result", b"result", "spec", b"spec", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "epoch", b"epoch", "error", b"error", "failure_class", b"failure_class", "failures", b"failures", "finished_at", b"finished_at", "gpu_seconds", b"gpu_seconds", "job_id", b"job_id", "latest_checkpoint", b"latest_checkpoint", "machine_id", b"machine_id", "max_node_faults", b"max_node_faults", "node_faults", b"node_faults", "progress", b"progress", "result", b"result", "spec", b"spec", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "epoch", b"epoch", "error", b"error", "failure_class", b"failure_class", "failures", b"failures", "finished_at", b"finished_at", "gpu_seconds", b"gpu_seconds", "job_id", b"job_id", "latest_checkpoint", b"latest_checkpoint", "machine_id", b"machine_id", "max_node_faults", b"max_node_faults", "node_faults", b"node_faults", "progress", b"progress", "result", b"result", "spec", b"spec", "state", b"state", "updated_at", b"updated_at", "waiting_reason", b"waiting_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -154,7 +154,29 @@ WHERE j.job_id = k.job_id
 SELECT * FROM jobs WHERE owner = $1 AND idempotency_key = ANY($2::text[]);
 
 -- name: get_job
-SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds
+SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds,
+    -- Why a QUEUED job waits (Job.waiting_reason): what ended its newest attempt, unless a
+    -- newer grant is running it. Derived from the events, so nothing has to clear it.
+    CASE WHEN j.state = 'QUEUED' THEN (
+        SELECT CASE e.kind
+            WHEN 'ATTEMPT_FAILED' THEN
+                'attempt ' || e.epoch || ' failed (' || lower(coalesce(e.failure_class, 'node'))
+                || ' fault' || coalesce(': ' || nullif(e.message, ''), '') || '); '
+                || CASE WHEN e.failure_class = 'INPUT'
+                        THEN 'waiting for a second machine to confirm it before the job fails'
+                        ELSE 'waiting for another machine' END
+            WHEN 'DRAINED' THEN
+                'attempt ' || e.epoch || ' drained' || coalesce(' (' || nullif(e.message, '') || ')', '')
+                || '; waiting for a machine to resume it'
+            WHEN 'LEASE_EXPIRED' THEN
+                'attempt ' || e.epoch || ' expired: its machine went silent;'
+                || ' waiting for a machine to resume it'
+        END
+        FROM job_events e
+        WHERE e.job_id = j.job_id
+          AND e.kind IN ('LEASE_GRANTED', 'ATTEMPT_FAILED', 'DRAINED', 'LEASE_EXPIRED')
+        ORDER BY e.event_id DESC LIMIT 1
+    ) END AS waiting_reason
 FROM jobs j WHERE j.job_id = $1 AND j.owner = $2;
 
 -- name: get_job_any_owner
@@ -162,7 +184,28 @@ SELECT * FROM jobs WHERE job_id = $1;
 
 -- name: list_jobs
 -- Keyset pagination on (created_at, job_id), newest first. $3: '{}' matches every job.
-SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds
+SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds,
+    -- As get_job's.
+    CASE WHEN j.state = 'QUEUED' THEN (
+        SELECT CASE e.kind
+            WHEN 'ATTEMPT_FAILED' THEN
+                'attempt ' || e.epoch || ' failed (' || lower(coalesce(e.failure_class, 'node'))
+                || ' fault' || coalesce(': ' || nullif(e.message, ''), '') || '); '
+                || CASE WHEN e.failure_class = 'INPUT'
+                        THEN 'waiting for a second machine to confirm it before the job fails'
+                        ELSE 'waiting for another machine' END
+            WHEN 'DRAINED' THEN
+                'attempt ' || e.epoch || ' drained' || coalesce(' (' || nullif(e.message, '') || ')', '')
+                || '; waiting for a machine to resume it'
+            WHEN 'LEASE_EXPIRED' THEN
+                'attempt ' || e.epoch || ' expired: its machine went silent;'
+                || ' waiting for a machine to resume it'
+        END
+        FROM job_events e
+        WHERE e.job_id = j.job_id
+          AND e.kind IN ('LEASE_GRANTED', 'ATTEMPT_FAILED', 'DRAINED', 'LEASE_EXPIRED')
+        ORDER BY e.event_id DESC LIMIT 1
+    ) END AS waiting_reason
 FROM jobs j
 WHERE owner = $1
   AND (cardinality($2::text[]) = 0 OR state = ANY($2::text[]))
