@@ -19,6 +19,7 @@ from lorafleet.core.model import FailureClass, sample_image_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.scheduler.auth import create_api_key
+from tests.scheduler.test_ledger import in_good_standing
 from tests.scheduler.test_webhooks import LOOPBACK_ALLOWED, Receiver, receiver  # noqa: F401
 from tests.support.fleet import Fleet
 from tests.support.jobs import WAIT_S, JobClient
@@ -207,10 +208,12 @@ async def test_sample_task_failures_are_the_tasks_alone_and_fenced(fleet: Fleet)
         async with connect_worker(fleet.channel, fleet.token, "m2") as m2:
             await m2.send(ready=fpb.Ready())  # banned from the task: nothing for it
             async with connect_worker(fleet.channel, fleet.token, "m3") as m3:
+                await in_good_standing(fleet.scheduler.database_url, "m3")
                 await m3.send(ready=fpb.Ready())
                 again = await m3.expect("sample_task_granted")
                 assert again.task_id == task.task_id and again.lease.epoch == 2
-                # The holder's INPUT failure fails the task for good, never the job.
+                # The INPUT failure of a holder in good standing for the job (verified, a
+                # result of its own 6 h before the job) fails the task for good, never the job.
                 await m3.send(
                     job_failed=fpb.JobFailed(
                         lease=m3.ref(again.lease),
@@ -226,6 +229,32 @@ async def test_sample_task_failures_are_the_tasks_alone_and_fenced(fleet: Fleet)
     failed_events = [e for e in events if e.kind == pb.JOB_EVENT_KIND_SAMPLES_FAILED]
     assert [(e.step, e.message) for e in failed_events] == [(10, "weights unreadable")]
     assert not [e for e in events if e.kind == pb.JOB_EVENT_KIND_ATTEMPT_FAILED]
+
+
+async def test_a_fresh_machines_input_fault_fails_no_sample_task_for_good(fleet: Fleet) -> None:
+    """One machine with no standing for the job (here unverified; a fresh verified one alike)
+    calling a sample task's input bad is a failure like a node fault: banned from the task,
+    which is re-queued for another machine. Before, its word alone failed the task for good:
+    one stranger's machine could leave every job it sampled without validation images."""
+    job = await fleet.alice.submit(max_train_steps=25, **VALIDATION)
+    ledger = fleet.scheduler.ledger
+    async with connect_worker(fleet.channel, fleet.token, "m1") as m1:
+        granted = await m1.ready_for_lease()
+        async with connect_worker(fleet.channel, fleet.token, "liar") as liar:
+            await liar.send(ready=fpb.Ready())
+            await m1.store_checkpoint(granted.lease, 10)
+            task = await liar.expect("sample_task_granted")
+        failed = await ledger.fail_sample_task(
+            task.lease.lease_id, task.lease.epoch, FailureClass.INPUT, "weights unreadable"
+        )
+        assert failed is not None and (failed.state, failed.failures) == ("QUEUED", 1)
+        async with connect_worker(fleet.channel, fleet.token, "liar") as liar:
+            await liar.send(ready=fpb.Ready())  # banned from the task: nothing for it
+            async with connect_worker(fleet.channel, fleet.token, "m2") as m2:
+                await m2.send(ready=fpb.Ready())
+                again = await m2.expect("sample_task_granted")
+                assert again.task_id == task.task_id and again.lease.epoch == 2
+    assert (await fleet.alice.get(job.job_id)).state == pb.JOB_STATE_RUNNING
 
 
 @pytest.mark.parametrize("scheduler_overrides", [LOOPBACK_ALLOWED])

@@ -1167,7 +1167,13 @@ class Ledger:
         self, lease_id: str, epoch: int, failure_class: FailureClass, message: str
     ) -> SampleTask | None:
         row = await self._fetchrow(
-            "fail_sample_task", _uuid_or_nil(lease_id), epoch, failure_class.value, message
+            "fail_sample_task",
+            _uuid_or_nil(lease_id),
+            epoch,
+            failure_class.value,
+            message,
+            list(OPERATOR_RUN_PROVIDERS),
+            self.standing_min_age_s,
         )
         return None if row is None else sample_task_from_row(row)
 

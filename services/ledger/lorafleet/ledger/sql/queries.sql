@@ -1286,24 +1286,36 @@ WITH target AS (
 SELECT * FROM done;
 
 -- name: fail_sample_task
--- $1 lease, $2 epoch, $3 class, $4 message: as fail_attempt, for the task only (its job is
--- never touched). NODE and INTERNAL ban the machine from the task and count a failure; INPUT
--- fails the task at once.
+-- $1 lease, $2 epoch, $3 class, $4 message, $5 the operator-run identity providers, $6
+-- standing_min_age_s: as fail_attempt, for the task only (its job is never touched). NODE and
+-- INTERNAL ban the machine from the task and count a failure. INPUT fails the task at once
+-- when an operator-run machine or one in good standing for the job says it
+-- (lorafleet_good_standing); from any other machine it is a failure like NODE: one stranger's
+-- machine, or a fresh one, must not fail every task it is handed for good with one word.
 WITH target AS (
-    SELECT task_id, job_id, machine_id, step, failures, max_failures FROM sample_tasks
-    WHERE lease_id = $1 AND epoch = $2 AND state = 'RUNNING' AND lease_expires_at > now()
-    FOR UPDATE
+    SELECT s.task_id, s.job_id, s.machine_id, s.step, s.failures, s.max_failures,
+           $3 = 'INPUT' AND (
+               EXISTS (SELECT 1 FROM machines m
+                       WHERE m.machine_id = s.machine_id
+                         AND m.identity_provider = ANY($5::text[]))
+               OR lorafleet_good_standing(
+                   s.machine_id, (SELECT j.created_at FROM jobs j WHERE j.job_id = s.job_id),
+                   $6)) AS believed
+    FROM sample_tasks s
+    WHERE s.lease_id = $1 AND s.epoch = $2 AND s.state = 'RUNNING'
+      AND s.lease_expires_at > now()
+    FOR UPDATE OF s
 ), decided AS (
     SELECT t.*,
-           t.failures + CASE WHEN $3 = 'INPUT' THEN 0 ELSE 1 END AS new_failures,
-           CASE WHEN $3 = 'INPUT' OR t.failures + 1 >= t.max_failures THEN 'FAILED'
+           t.failures + CASE WHEN t.believed THEN 0 ELSE 1 END AS new_failures,
+           CASE WHEN t.believed OR t.failures + 1 >= t.max_failures THEN 'FAILED'
                 ELSE 'QUEUED' END AS new_state
     FROM target t
 ), updated AS (
     UPDATE sample_tasks s
     SET state = d.new_state, failures = d.new_failures, lease_id = NULL,
         lease_expires_at = NULL, error = $4,
-        banned_machines = CASE WHEN $3 IN ('NODE', 'INTERNAL')
+        banned_machines = CASE WHEN NOT d.believed
                                THEN array_append(s.banned_machines, d.machine_id)
                                ELSE s.banned_machines END,
         finished_at = CASE WHEN d.new_state = 'FAILED' THEN now() END,
