@@ -680,6 +680,19 @@ def test_a_reference_is_learned_from_long_lived_machines_at_a_bounded_rate() -> 
         UNPINNED,
     )
     assert moved["rtx4090"].seconds_per_step == pytest.approx(1.0 / 1.25)
+    # A reference left unmoved for twelve hours (the class had no long-lived machines: a fleet
+    # at zero overnight) moves one hour's step when they come back, not 1.25 ** 12 (14.6x):
+    # before, the first machines back, one holder's, took it to 0.069 in one tick.
+    idle = {"rtx4090": Reference(seconds_per_step=1.0, updated_at=NOW - 12 * HOURS)}
+    after_idle = learn_references(
+        snap(
+            instances=[inst(n.instance_id or "") for n in colluding],
+            nodes=colluding,
+            references=idle,
+        ),
+        UNPINNED,
+    )
+    assert after_idle["rtx4090"].seconds_per_step == pytest.approx(1.0 / 1.25)
     # Too few long-lived machines, or a pinned class: nothing learned.
     assert learn_references(snap(instances=instances[:2], nodes=old[:2]), UNPINNED) == {}
     assert learn_references(snap(instances=instances, nodes=[*old, *young]), CFG) == {}

@@ -530,7 +530,10 @@ def learn_references(snapshot: Snapshot, config: PolicyConfig) -> dict[str, Refe
         candidate = statistics.median(statistics.median(xs) for xs in machines.values())
         kept = snapshot.references.get(gpu_class)
         if kept is not None:
-            hours = max(snapshot.now - kept.updated_at, 0.0) / 3600.0
+            # At most one hour's step at once: a reference left unmoved while the class had
+            # too few long-lived machines (a fleet at zero overnight) must not bank the rate
+            # for the first machines back, which may be one holder's, to spend in one tick.
+            hours = min(max(snapshot.now - kept.updated_at, 0.0) / 3600.0, 1.0)
             step = c.reference_rate_per_hour**hours
             candidate = min(
                 max(candidate, kept.seconds_per_step / step), kept.seconds_per_step * step
