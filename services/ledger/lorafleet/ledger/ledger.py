@@ -131,6 +131,11 @@ class ExpiredLease:
     lease_id: str
     machine_id: str
     epoch: int
+    # The last step its holder reported (None: none), the job's newest checkpoint (where the
+    # next lease resumes) and the difference: the steps lost, at least.
+    last_step: int | None = None
+    resume_step: int = 0
+    steps_lost: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,11 @@ GRANT_LATENCY = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
 LEASE_EXPIRIES = Counter("lorafleet_lease_expiries", "Leases expired by this replica's sweeper")
+STEPS_LOST_TO_EXPIRY = Counter(
+    "lorafleet_steps_lost_to_expiry",
+    "Training steps lost to leases this replica's sweeper expired: each lease's last reported"
+    " step less the checkpoint its job resumes from (a lower bound)",
+)
 REQUEUES = Counter(
     "lorafleet_requeues",
     "Jobs put back in the queue, by why (expired, stalled, drained, failed attempt)",

@@ -97,12 +97,18 @@ class Sweeper:
         for expired in await self._ledger.expire_leases():
             metrics.LEASE_EXPIRIES.inc()
             metrics.REQUEUES.labels("expired").inc()
+            metrics.STEPS_LOST_TO_EXPIRY.inc(expired.steps_lost)
+            # What the expiry costs, from the holder's last report: at least steps_lost (it
+            # may have trained on unheard), so that lost work shows in a figure.
             log.warning(
                 "lease expired; job re-queued",
                 job_id=expired.job_id,
                 lease_id=expired.lease_id,
                 machine_id=expired.machine_id,
                 epoch=expired.epoch,
+                last_step=expired.last_step,
+                resume_step=expired.resume_step,
+                steps_lost=expired.steps_lost,
             )
         for stalled in await self._ledger.stall_leases(self._lease_progress_timeout_s):
             metrics.ATTEMPT_FAILURES.labels("NODE").inc()

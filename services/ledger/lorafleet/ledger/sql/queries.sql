@@ -399,9 +399,14 @@ WHERE l.lease_id = $1 AND l.epoch = $2 AND l.machine_id = $3 AND l.end_reason = 
 RETURNING j.job_id;
 
 -- name: expire_leases
--- The sweeper, safe on every replica: rows another replica is expiring are skipped.
+-- The sweeper, safe on every replica: rows another replica is expiring are skipped. The
+-- LEASE_EXPIRED event carries the last step the holder reported (the lease row's, which every
+-- heartbeat moves, where the timeline keeps only some heartbeats) and says how many steps past
+-- the job's newest checkpoint, where the next lease resumes, are lost: at least those, as the
+-- holder may have trained on unheard (issue 31).
 WITH expired AS (
-    SELECT job_id, lease_id, machine_id, epoch FROM jobs
+    SELECT job_id, lease_id, machine_id, epoch, coalesce(checkpoint_step, 0) AS resume_step
+    FROM jobs
     WHERE state = 'RUNNING' AND lease_expires_at < now()
     ORDER BY lease_expires_at
     LIMIT 1000
@@ -415,11 +420,20 @@ WITH expired AS (
 ), ended AS (
     UPDATE leases l SET ended_at = now(), end_reason = 'expired'
     FROM expired e WHERE l.lease_id = e.lease_id
+    RETURNING l.lease_id, l.last_step
+), reported AS (
+    SELECT e.*, d.last_step,
+           greatest(coalesce(d.last_step, 0) - e.resume_step, 0) AS steps_lost
+    FROM expired e LEFT JOIN ended d ON d.lease_id = e.lease_id
 ), logged AS (
-    INSERT INTO job_events (job_id, kind, state, lease_id, machine_id, epoch)
-    SELECT job_id, 'LEASE_EXPIRED', 'QUEUED', lease_id, machine_id, epoch FROM expired
+    INSERT INTO job_events (job_id, kind, state, lease_id, machine_id, epoch, step, message)
+    SELECT job_id, 'LEASE_EXPIRED', 'QUEUED', lease_id, machine_id, epoch, last_step,
+           CASE WHEN last_step IS NULL THEN 'no step reported; resumes from step ' || resume_step
+                ELSE 'last reported step ' || last_step || '; resumes from step ' || resume_step
+                     || ': at least ' || steps_lost || ' steps lost' END
+    FROM reported
 )
-SELECT job_id, lease_id, machine_id, epoch FROM expired;
+SELECT job_id, lease_id, machine_id, epoch, last_step, resume_step, steps_lost FROM reported;
 
 -- name: stall_leases
 -- The sweeper, beside expire_leases: a lease that made no verified progress (see
