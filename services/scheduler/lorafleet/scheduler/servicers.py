@@ -340,6 +340,13 @@ class JobServicer(pbgrpc.JobServiceServicer):
         return await self._call(context, run)
 
 
+def _heard(future: asyncio.Future[object]) -> None:
+    """Retrieves a finished write's exception, if any, so that asyncio never reports it as
+    unretrieved (see `WorkerServicer.Connect`)."""
+    if not future.cancelled():
+        future.exception()
+
+
 class WorkerServicer(fgrpc.WorkerServiceServicer):
     """The worker stream: checks the token and the Hello, then decodes each message (serde) and
     calls one `WorkerHandler` method on domain values; replies queued on the session's outbox
@@ -440,6 +447,11 @@ class WorkerServicer(fgrpc.WorkerServiceServicer):
                 # fills the bounded outbox meanwhile; then the write is given up and the stream
                 # ends, so no unread reply is kept anywhere.
                 write = asyncio.ensure_future(context.write(message))
+                # A stream that ends mid-write (its connection gone: a dropped path, a thawed
+                # replica whose workers left) cancels this handler with the write still
+                # pending; it fails later with nobody awaiting it, which asyncio would log at
+                # ERROR. Its outcome is heard here; `write.result()` below still raises.
+                write.add_done_callback(_heard)
                 overflow = asyncio.ensure_future(session.overflowing.wait())
                 try:
                     await asyncio.wait([write, overflow], return_when=asyncio.FIRST_COMPLETED)
