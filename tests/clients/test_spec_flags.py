@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
 
 from lorafleet.cli.commands import add_spec_flags, spec_from_args
 from lorafleet.client.api import build_spec
@@ -115,3 +117,102 @@ def test_a_spec_file_says_auto_as_the_flag_does() -> None:
         assert exc.field == "checkpointing_steps"
     else:
         raise AssertionError("a word other than auto was taken")
+
+
+def test_a_spec_file_names_the_webhook_as_the_options_table_does() -> None:
+    """`webhook_url` and `webhook_events` (the README's options, the JobSpec's fields) are keys
+    of a --spec file, as the wire's nested `webhook:` is; they were refused as "not a job spec
+    field". A --webhook-url flag over the file replaces the file's webhook."""
+    document = {
+        "instance_prompt": "a photo of sks dog",
+        "instance_data_prefix": "rex",
+        "max_train_steps": 50,
+        "webhook_url": "https://hooks.example/a",
+        "webhook_events": ["succeeded", "samples"],
+    }
+    spec = spec_from_proto(build_spec(document))
+    assert spec.webhook_url == "https://hooks.example/a"
+    assert spec.webhook_events == ("succeeded", "samples")
+    nested = {**document, "webhook": {"url": "https://hooks.example/b"}}
+    try:
+        build_spec(nested)
+    except InvalidArgument as exc:
+        assert exc.field == "webhook_url"
+    else:
+        raise AssertionError("two webhooks were taken")
+    args = _parser().parse_args(["--webhook-url=https://hooks.example/c"])
+    merged = spec_from_proto(build_spec(spec_from_args(args, document)))
+    assert merged.webhook_url == "https://hooks.example/c" and merged.webhook_events == ()
+
+
+def test_download_says_how_a_result_loads_in_its_family_pipeline() -> None:
+    """`lorafleet download` once printed `pipe.load_lora_weights(...)` for every file; a FLUX.1
+    job's kohya file does not load that way (diffusers converts that layout for some layers
+    only), and a user of several families needs the pipeline's name."""
+    from lorafleet.cli.commands import load_hint
+    from lorafleet.core.spec import JobSpec
+
+    def spec(**fields: Any) -> JobSpec:
+        return spec_from_proto(
+            build_spec(
+                instance_prompt="a photo of sks dog",
+                instance_data_prefix="rex",
+                max_train_steps=10,
+                **fields,
+            )
+        )
+
+    flux = spec(model_family="flux", base_model="/models/flux", output_format="both")
+    out = Path("/tmp/lora/pytorch_lora_weights.safetensors")
+    hint = load_hint("j1", flux, out, "diffusers")
+    assert "FluxPipeline.from_pretrained('/models/flux')" in hint
+    assert "load_lora_weights('/tmp/lora', weight_name='pytorch_lora_weights.safetensors')" in hint
+    kohya = load_hint("j1", flux, out.with_name("k.safetensors"), "kohya")
+    assert "ComfyUI" in kohya and "load_lora_weights" not in kohya
+    assert "lorafleet download j1 --format diffusers" in kohya
+    klein = spec(model_family="flux2", base_model="/models/klein", output_format="both")
+    assert "Flux2KleinPipeline.from_pretrained" in load_hint("j2", klein, out, "kohya")
+    assert "StableDiffusionXLPipeline" in load_hint("j3", spec(), out, "diffusers")
+
+
+def test_submit_takes_a_local_model_family_from_its_model_index(tmp_path: Path) -> None:
+    """`lorafleet submit --base-model $PWD/flux-model` without --model-family was taken for
+    sdxl and failed on the worker after queueing; a folder on the submitting machine (as on
+    `lorafleet up`) now names its family, and a contradiction or FLUX.2 [dev] is refused before
+    anything is uploaded, naming base_model."""
+    from lorafleet.cli.commands import family_from_local_model
+
+    def model(name: str, pipeline: str) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model_index.json").write_text(f'{{"_class_name": "{pipeline}"}}')
+        return str(tmp_path / name)
+
+    flux, sdxl = model("flux", "FluxPipeline"), model("sdxl", "StableDiffusionXLPipeline")
+    document = {
+        "instance_prompt": "a photo of sks dog",
+        "instance_data_prefix": "rex",
+        "max_train_steps": 10,
+    }
+    spec = {**document, "base_model": flux}
+    assert family_from_local_model(spec) is not None
+    assert spec_from_proto(build_spec(spec)).model_family == "flux"
+    named = {**document, "base_model": flux, "model_family": "flux2"}
+    for case, where in (
+        (named, ""),
+        ({**document, "base_model": model("dev", "Flux2Pipeline")}, "batch[1]."),
+    ):
+        try:
+            family_from_local_model(case, where=where)
+        except InvalidArgument as exc:
+            assert exc.field == f"{where}base_model", exc
+        else:
+            raise AssertionError(f"{case} was taken")
+    unchanged = [
+        {**document, "base_model": sdxl},  # auto is sdxl already
+        {**document, "base_model": flux, "model_family": "flux"},
+        {**document, "base_model": "black-forest-labs/FLUX.1-dev"},  # a hub id
+        {**document, "base_model": str(tmp_path / "elsewhere")},  # only the workers have it
+    ]
+    for case in unchanged:
+        before = dict(case)
+        assert family_from_local_model(case) is None and case == before

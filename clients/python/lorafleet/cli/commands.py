@@ -35,6 +35,7 @@ from lorafleet.client.dataset import (
     read_zip,
 )
 from lorafleet.core.errors import InvalidArgument
+from lorafleet.core.families import DEFAULT_FAMILY, PIPELINES, REFUSED_PIPELINES
 from lorafleet.core.model import (
     RESULT_FILE_NAMES,
     Estimate,
@@ -152,6 +153,9 @@ def spec_from_args(args: argparse.Namespace, base: Mapping[str, Any] | None) -> 
     if args.label:
         spec["labels"] = {**spec.get("labels", {}), **parse_labels(args.label)}
     if args.webhook_url or args.webhook_event:
+        # The flags replace a file's webhook, whichever way the file says it.
+        spec.pop("webhook_url", None)
+        spec.pop("webhook_events", None)
         spec["webhook"] = {"url": args.webhook_url or "", "events": args.webhook_event}
     return spec
 
@@ -264,6 +268,9 @@ def describe_job(job: Job) -> str:
         + (f"\n           {job.result.kohya.key}" if job.result and job.result.kohya else ""),
         f"gpu        {job.gpu_seconds or 0:.0f} s",
         f"prompt     {job.spec.instance_prompt!r} on {job.spec.instance_data_prefix}",
+        # The family the fleet trains it as (auto resolved): a user of several families sees
+        # which one a job is, and which pipeline its result loads in.
+        f"model      {job.spec.family} {job.spec.base_model}",
         f"created    {job.created_at:%Y-%m-%d %H:%M:%S} ({_age(job.created_at)})",
     ]
     if job.spec.labels:
@@ -328,6 +335,41 @@ def _allow_http_loopback() -> bool:
     return os.environ.get("LORAFLEET_ALLOW_HTTP_LOOPBACK_URLS", "") == "1"
 
 
+def family_from_local_model(spec: dict[str, Any], *, where: str = "") -> str | None:
+    """With `model_family` auto, a `base_model` folder that is on this machine (as on `lorafleet
+    up`, where the workers read the same folder) names its own family in its model_index.json:
+    the spec takes it. Otherwise the scheduler would take an unknown local model for sdxl and
+    the worker fail the job once it loaded it. A family named that the folder contradicts, or a
+    pipeline lorafleet refuses, is refused here, naming base_model, before anything is uploaded.
+    Returns a note for the user when it filled the family in."""
+    base_model = str(spec.get("base_model") or "")
+    index = Path(base_model) / "model_index.json"
+    if not os.path.isabs(base_model) or not index.is_file():
+        return None  # a hub id, or a folder only the workers have: the worker checks it
+    try:
+        pipeline = str(json.loads(index.read_text()).get("_class_name", ""))
+    except (OSError, ValueError, AttributeError):
+        return None  # the worker names what is wrong with it
+    if pipeline in REFUSED_PIPELINES:
+        raise InvalidArgument(f"{where}base_model", REFUSED_PIPELINES[pipeline])
+    family = PIPELINES.get(pipeline)
+    if family is None:
+        return None
+    named = str(spec.get("model_family") or "auto")
+    if named == "auto" and family == DEFAULT_FAMILY:
+        return None  # what auto takes it for already
+    if named == "auto":
+        spec["model_family"] = family
+        return f"note: {base_model} is a {family} model ({pipeline}): model_family {family}"
+    if named != family:
+        raise InvalidArgument(
+            f"{where}base_model",
+            f"{base_model!r} is a {family} model ({pipeline}) but model_family says {named};"
+            f" submit it with model_family {family}",
+        )
+    return None
+
+
 def _image_source(
     folder: str | None, zip_file: str | None, url: str | None, *, where: str = ""
 ) -> str | None:
@@ -360,6 +402,8 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
             zip_file = document.pop("images_zip", None)
             url = document.pop("images_url", None)
             source = _image_source(folder, zip_file, url, where=f"batch[{i}].")
+            if note := family_from_local_model(document, where=f"batch[{i}]."):
+                print(f"batch[{i}]: {note}", file=sys.stderr)
             if source:
                 document.setdefault("instance_data_prefix", _upload_prefix(source))
             try:
@@ -373,6 +417,8 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
     else:
         base = load_document(Path(args.spec)) if args.spec else {}
         spec = spec_from_args(args, base)
+        if note := family_from_local_model(spec):
+            print(note, file=sys.stderr)
         source = _image_source(args.images, args.images_zip, args.images_url)
         if source:
             spec.setdefault("instance_data_prefix", args.prefix or _upload_prefix(source))
@@ -540,6 +586,25 @@ async def events(client: AsyncClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def load_hint(job_id: str, spec: JobSpec, out: Path, fmt: str) -> str:
+    """How the downloaded result loads, in the job's family's own pipeline. diffusers reads
+    FLUX.1's kohya layout only for some layers (lorafleet.worker.training.families.flux): that
+    file is for ComfyUI, and the hint says so rather than show a call that fails."""
+    family = spec.family
+    pipeline = next(name for name, of in PIPELINES.items() if of == family)
+    if family == "flux" and fmt == "kohya":
+        return "it is for ComfyUI's LoRA loader" + (
+            f" (in diffusers, load its diffusers file: lorafleet download {job_id}"
+            " --format diffusers)"
+            if spec.output_format == "both"
+            else " (in diffusers, load a job's diffusers file: output_format diffusers or both)"
+        )
+    return (
+        f"load it with:\n  pipe = {pipeline}.from_pretrained({spec.base_model!r})\n"
+        f"  pipe.load_lora_weights({str(out.parent)!r}, weight_name={out.name!r})"
+    )
+
+
 async def download(client: AsyncClient, args: argparse.Namespace) -> int:
     if args.checkpoint is not None:
         step = None if args.checkpoint == "latest" else int(args.checkpoint)
@@ -553,11 +618,9 @@ async def download(client: AsyncClient, args: argparse.Namespace) -> int:
             fmt = result_format(job.result.key) if job.result is not None else "diffusers"
         out = Path(args.output or RESULT_FILE_NAMES[fmt or "diffusers"])
         await client.download_result(args.job_id, out, fmt=args.format)
-        print(
-            f"wrote {out}; load it with:\n"
-            f"  pipe.load_lora_weights({str(out.parent)!r}, weight_name={out.name!r})",
-            file=sys.stderr,
-        )
+        job = await client.get(args.job_id)
+        chosen = args.format or (result_format(job.result.key) if job.result else "diffusers")
+        print(f"wrote {out}; {load_hint(job.job_id, job.spec, out, chosen)}", file=sys.stderr)
     if args.json:
         print_json({"path": str(out)})
     else:

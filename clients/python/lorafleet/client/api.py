@@ -167,6 +167,19 @@ def build_spec(spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any) -
         return spec_to_proto(spec)
     merged = {**(dict(spec) if spec else {}), **fields}
     webhook = merged.pop("webhook", None)
+    # The JobSpec's own names (the README's options table, `lorafleet submit`'s flags) as well
+    # as the wire's nested `webhook: {url, events}`: a --spec file may say either.
+    if "webhook_url" in merged or "webhook_events" in merged:
+        if webhook:
+            raise InvalidArgument(
+                "webhook_url", "give webhook_url/webhook_events or webhook, not both"
+            )
+        webhook = {
+            "url": merged.pop("webhook_url", ""),
+            "events": merged.pop("webhook_events", ()),
+        }
+        if isinstance(webhook["events"], str):
+            raise InvalidArgument("webhook_events", "must be a list")
     msg = pb.JobSpec()
     for name, value in merged.items():
         if name not in pb.JobSpec.DESCRIPTOR.fields_by_name:
