@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from lorafleet.cli.commands import add_spec_flags, spec_from_args
 from lorafleet.client.api import build_spec
 from lorafleet.core.errors import InvalidArgument
@@ -175,7 +177,9 @@ def test_download_says_how_a_result_loads_in_its_family_pipeline() -> None:
     assert "StableDiffusionXLPipeline" in load_hint("j3", spec(), out, "diffusers")
 
 
-def test_submit_takes_a_local_model_family_from_its_model_index(tmp_path: Path) -> None:
+def test_submit_takes_a_local_model_family_from_its_model_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`lorafleet submit --base-model $PWD/flux-model` without --model-family was taken for
     sdxl and failed on the worker after queueing; a folder on the submitting machine (as on
     `lorafleet up`) now names its family, and a contradiction or FLUX.2 [dev] is refused before
@@ -207,6 +211,14 @@ def test_submit_takes_a_local_model_family_from_its_model_index(tmp_path: Path) 
             assert exc.field == f"{where}base_model", exc
         else:
             raise AssertionError(f"{case} was taken")
+    # A folder here named by a relative path (taken for a hub id once) gets its absolute one.
+    monkeypatch.chdir(tmp_path)
+    try:
+        family_from_local_model({**document, "base_model": "flux"})
+    except InvalidArgument as exc:
+        assert exc.field == "base_model" and exc.reason.endswith(flux), exc
+    else:
+        raise AssertionError("a relative folder was taken")
     unchanged = [
         {**document, "base_model": sdxl},  # auto is sdxl already
         {**document, "base_model": flux, "model_family": "flux"},

@@ -344,6 +344,14 @@ def family_from_local_model(spec: dict[str, Any], *, where: str = "") -> str | N
     Returns a note for the user when it filled the family in."""
     base_model = str(spec.get("base_model") or "")
     index = Path(base_model) / "model_index.json"
+    if base_model and not os.path.isabs(base_model) and index.is_file():
+        # `--base-model flux` beside a folder `flux` was taken for a hub id and failed on the
+        # worker: a model folder here is meant, and it needs its absolute path.
+        raise InvalidArgument(
+            f"{where}base_model",
+            f"{base_model!r} is a model folder here, but the workers need its absolute path"
+            f" (a relative one reads as a hub id): {Path(base_model).resolve()}",
+        )
     if not os.path.isabs(base_model) or not index.is_file():
         return None  # a hub id, or a folder only the workers have: the worker checks it
     try:
