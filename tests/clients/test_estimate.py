@@ -271,6 +271,30 @@ async def test_a_shape_never_measured_is_priced_at_the_prior(fleet: Fleet) -> No
             await client.submit(spec, max_train_steps=500)
 
 
+async def test_machines_holding_a_tenants_own_jobs_slowly_refuse_none_of_its_submits(
+    fleet: Fleet,
+) -> None:
+    """Three verified machines of one holder run a tenant's own 1-step jobs and hold each for
+    25 s: the tenant's own figure for that shape is 25 s/step. Before, its next ordinary
+    1000-step submit was priced at it ($25) and refused by its $5 spend limit: a holder's
+    machines chose whose submits were refused. Admission now prices a key's remaining work at
+    most at the prior (0.6 s/step here: $0.60); the estimate still shows the key's own figure."""
+    await _measured_jobs(fleet, {"h1": 25.0, "h2": 25.0, "h3": 25.0}, steps=1)
+    await _sql(
+        fleet,
+        "UPDATE api_keys SET spend_limit_dollars = 5"
+        " WHERE key_id = (SELECT api_key_id FROM jobs LIMIT 1)",
+    )
+    spec = {"instance_prompt": "a dog", "instance_data_prefix": "dogs/rex"}
+    target = f"127.0.0.1:{fleet.scheduler.port}"
+    async with AsyncClient(target, api_key=fleet.alice.api_key) as client:
+        estimate = await client.estimate(spec, max_train_steps=1000)
+        assert estimate.samples == 3 and estimate.seconds_per_step == pytest.approx(25.0)
+        assert estimate.spend_limit_dollars == pytest.approx(5.0)
+        job = await client.submit(spec, max_train_steps=1000)  # $0.60 at the prior, not $25
+        assert job.spec.max_train_steps == 1000
+
+
 @pytest.mark.parametrize("scheduler_overrides", [{"price_per_gpu_hour": 3.6}])
 async def test_colluding_machines_move_another_tenants_figures_at_most_2x(fleet: Fleet) -> None:
     """Three verified machines of one holder. (1) They succeed 100-step jobs 6.6 s after the

@@ -182,11 +182,12 @@ class JobHandler:
         submits. Without a figure of its own, the fleet's, bounded to within 2x of the prior
         (`estimate_prior_s_per_step`, which the operator pins for the fleet they run): a few
         machines of one holder, completing their own or anyone's jobs fast or slow, move
-        another tenant's figure by at most 2x. For `admission` (spend limits) the fleet's figure
-        is never above the prior either: another tenant's numbers never refuse a submit. With
-        no figure at all, the prior. The prior and the floor are scaled to the shape by one rule
-        (`core.model.shape_prior_seconds`: pixels, images, text encoders, the model family,
-        gradient checkpointing, a quantized base)."""
+        another tenant's figure by at most 2x. For `admission` (spend limits) neither figure is
+        above the prior: another tenant's numbers never refuse a submit, and nor do the
+        machines that ran a tenant's own jobs (a holder's, holding them slowly, set its own
+        figure). With no figure at all, the prior. The prior and the floor are scaled to the
+        shape by one rule (`core.model.shape_prior_seconds`: pixels, images, text encoders, the
+        model family, gradient checkpointing, a quantized base)."""
         prior = shape_prior_seconds(self._estimate_prior_s_per_step, shape)
         floor = shape_prior_seconds(self._min_plausible_s_per_step, shape)
 
@@ -204,9 +205,8 @@ class JobHandler:
         if api_key_id:
             own = await measure(api_key_id)
             if enough(own):
-                return Pace(
-                    seconds_per_step=own.seconds_per_step, machines=own.machines, measured=True
-                )
+                seconds = min(own.seconds_per_step, prior) if admission else own.seconds_per_step
+                return Pace(seconds_per_step=seconds, machines=own.machines, measured=True)
         fleet = await measure(None)
         if enough(fleet):
             high = prior if admission else 2.0 * prior
