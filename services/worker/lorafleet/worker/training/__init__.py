@@ -35,9 +35,9 @@ The interface the worker agent uses::
   unsupported format, shorter side under max(64, resolution // 4) px, over 64 MP) is named in
   one input-fault `TrainingFailure`.
 * `Trainer.run` (loop.py) blocks; call it from a worker thread. Hook semantics are documented
-  on `TrainingHooks`. Every error leaves as `TrainingFailure` with a `failure_class` (the
-  core's `FailureClass`: NODE, INPUT or INTERNAL; failures.py; `classify_exception` classifies
-  any exception).
+  on `TrainingHooks` (interface.py). Every error leaves as `TrainingFailure` with a
+  `failure_class` (the core's `FailureClass`: NODE, INPUT or INTERNAL; failures.py;
+  `classify_exception` classifies any exception).
 * Checkpoints (checkpoint.py): at each `checkpointing_steps` multiple the training thread only
   copies tensors to host memory (`TrainingSnapshot`); `serialize_checkpoint` turns a snapshot
   into one verified blob (safetensors + JSON, nothing pickled) on any thread, and
@@ -52,6 +52,25 @@ The interface the worker agent uses::
   `.steps`, `.snapshot`) under the caller's current span.
 * Nothing is written to local disk by a run (model files are only read; a hub id is downloaded
   into `cache_dir` by `from_pretrained` when no local directory is configured).
+
+The modules, one role each:
+
+* The run: `loop.py` (`Trainer`; `_Run`, one run's state, its setup phases and its steps),
+  `interface.py` (what the caller hands in and gets back: hooks, outcomes, timings),
+  `config.py` (`TrainingConfig`, the runtime it resolves to), `failures.py` (failure classes).
+* What a run calls on: `compiled_step.py` (whether this run compiles and the compiled step),
+  `compiling.py` (the compile policy from the node's measured costs; the compile cache),
+  `optimization.py` (optimizer, LR schedule, loss scaling, applying gradients),
+  `objective.py` (the diffusion objective as tensor functions), `rng.py` (the run's own
+  torch stream), `data.py` (decoded images, crops and flips, the data order).
+* The model: `base_model.py` (loading a base model), `families/` (what differs between
+  architectures), `lora.py` (adapters and the result files), `resident.py` (the base model and
+  compiled steps a worker keeps between runs).
+* Checkpoints: `snapshots.py` (a run's state as a `TrainingSnapshot` and back; the job
+  fingerprint), `checkpoint.py` (host copies and the one-blob format), `serialization.py`
+  (reproducible in-memory safetensors).
+* Images made by the base model: `sampling.py` (prior-preservation class images, during a run),
+  `samples.py` (validation images, made by sample tasks from checkpoints and results).
 """
 
 from lorafleet.worker.training.checkpoint import (
@@ -67,15 +86,15 @@ from lorafleet.worker.training.failures import (
     TrainingFailure,
     classify_exception,
 )
-from lorafleet.worker.training.loop import (
+from lorafleet.worker.training.interface import (
     Finished,
     RunTimings,
     Stopped,
     StopReason,
-    Trainer,
     TrainingHooks,
     TrainingOutcome,
 )
+from lorafleet.worker.training.loop import Trainer
 from lorafleet.worker.training.lora import KOHYA_WEIGHT_NAME, LORA_WEIGHT_NAME
 
 __all__ = [

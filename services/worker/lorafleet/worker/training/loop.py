@@ -1,45 +1,38 @@
-"""The training run: `Trainer.run`, its hooks and its two outcomes.
+"""The training run: `Trainer.run`, the run's orchestration and its steps.
 
 A run is a sequence of small steps over one `TrainingConfig`: resolve the runtime, decode the
 inputs, load the model, generate missing class images, add LoRA, precompute what does not
 change (text embeddings when the encoders are frozen, VAE latents when no augmentation is
 random), build the optimizer and LR schedule, restore a checkpoint if given, then train.
+`_Run` holds one run's state and names those steps; the roles it calls on live beside it:
+the hooks, outcomes and timings a caller sees (interface.py), whether and what to compile
+(compiled_step.py), the optimizer (optimization.py), and snapshot/restore (snapshots.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import importlib
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from diffusers.optimization import get_scheduler
 from opentelemetry import trace
 
 from lorafleet.core.model import FailureClass
-from lorafleet.core.spec import JobSpec
-from lorafleet.worker.training.base_model import install_output_hooks
-from lorafleet.worker.training.checkpoint import (
-    DeviceSnapshotter,
-    HostTensors,
-    TrainingSnapshot,
-    join_tensors,
-    split_tensors,
-    to_host,
+from lorafleet.worker.training.checkpoint import TrainingSnapshot
+from lorafleet.worker.training.compiled_step import (
+    compiled_denoiser,
+    compiled_loss,
+    should_compile,
 )
-from lorafleet.worker.training.compiling import CompileCosts, decide, use_cache_dir
+from lorafleet.worker.training.compiling import CompileCosts
 from lorafleet.worker.training.config import TrainingConfig, resolve_runtime
 from lorafleet.worker.training.data import (
-    DataOrder,
     Example,
     PreparedImage,
     TrainingData,
@@ -52,22 +45,32 @@ from lorafleet.worker.training.failures import (
     as_training_failure,
     input_fault,
 )
+from lorafleet.worker.training.interface import (
+    Finished,
+    RunTimings,
+    Stopped,
+    StopReason,
+    TrainingHooks,
+    TrainingOutcome,
+)
 from lorafleet.worker.training.lora import (
     add_lora,
     kohya_weights_bytes,
-    lora_parameters,
     lora_weights_bytes,
     skip_input_casts,
 )
+from lorafleet.worker.training.optimization import build_optimization
 from lorafleet.worker.training.resident import ResidentModel
 from lorafleet.worker.training.rng import TorchRngStream
 from lorafleet.worker.training.sampling import generate_class_images
+from lorafleet.worker.training.snapshots import RunSnapshots, job_fingerprint
+
+# job_fingerprint is snapshots.py's; importable from here as before.
+__all__ = ["Trainer", "job_fingerprint"]
 
 _tracer = trace.get_tracer("lorafleet.worker.training")
 log = logging.getLogger(__name__)
 
-StopReason = Literal["cancel", "drain"]
-ProgressHook = Callable[[int, float, float, float], None]
 
 # Latents are encoded up front in chunks of this many images.
 _ENCODE_CHUNK = 4
@@ -76,96 +79,6 @@ _ENCODE_CHUNK = 4
 # dtype), and a run swaps its own stream into torch's default generator while it initialises
 # LoRA and steps (rng.py): two runs at once would corrupt each other's modules or numbers.
 _ONE_RUN_AT_A_TIME = threading.Lock()
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainingHooks:
-    """Callbacks from the training thread. Each must return quickly (hand work to another
-    thread); an exception raised by one ends the run.
-
-    * `on_progress(step, loss, learning_rate, seconds_per_step)`: after an optimizer step,
-      at most every `progress_interval_s`, and after the last (seconds_per_step is the mean
-      since the previous report). Latest value wins.
-    * `should_stop()`: polled before every optimizer step and between accumulation micro-steps
-      (and between class-image batches). Return "cancel" to stop at once (no snapshot) or
-      "drain" to stop at the next step boundary with a snapshot; None to go on.
-    * `on_checkpoint(snapshot)`: at every multiple of `checkpointing_steps` below
-      `max_train_steps` (the result supersedes a final checkpoint). Serialise and upload it
-      elsewhere; the snapshot is already independent of the run.
-    * `on_class_images([(index, png), ...])`: prior-preservation images generated because fewer
-      than `num_class_images` were supplied, per batch as they are made. Store them before any
-      checkpoint is committed and pass them back as `class_images` when resuming: a checkpoint
-      is only valid with the class images it was trained with.
-    * `on_notice(message)`: something the job's owner should read on its timeline (whether
-      the step was compiled and why, a compiled run falling back to eager).
-    * `on_phase(name)`: the run enters a setup phase before its first step (`decode_images`,
-      `load_model`, `class_images`, `adapters`, `compile_choice`, `precompute`, `optimizer`,
-      `restore`). `should_stop` is polled at each: a cancel or a drain asked for while the run
-      prepares ends it there (no snapshot: nothing was trained).
-    * `checkpoint_every()`: the checkpoint interval in steps, read after each optimizer step
-      (the worker re-derives an automatic interval from the node's own pace); None: the spec's
-      `checkpointing_steps`.
-
-    Validation images are not made here: the training thread never stops for them. They are
-    sample tasks on the fleet (`lorafleet.worker.training.samples`), made from the
-    checkpoints and the result.
-    """
-
-    on_progress: ProgressHook | None = None
-    should_stop: Callable[[], StopReason | None] | None = None
-    on_checkpoint: Callable[[TrainingSnapshot], None] | None = None
-    on_class_images: Callable[[list[tuple[int, bytes]]], None] | None = None
-    on_notice: Callable[[str], None] | None = None
-    on_phase: Callable[[str], None] | None = None
-    checkpoint_every: Callable[[], int] | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Finished:
-    """All `max_train_steps` done. `lora_weights` is `pytorch_lora_weights.safetensors`;
-    `kohya_weights` is `pytorch_lora_weights_kohya.safetensors` when the job's output_format
-    asks for it (kohya or both), else None."""
-
-    step: int
-    loss: float
-    lora_weights: bytes = field(repr=False)
-    kohya_weights: bytes | None = field(default=None, repr=False)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Stopped:
-    """`should_stop` asked to stop after `step` optimizer steps.
-
-    `snapshot` is the state at `step` for a drain when this run made progress (at least one
-    optimizer step since it started or resumed), else None.
-    """
-
-    step: int
-    reason: StopReason
-    snapshot: TrainingSnapshot | None
-
-
-TrainingOutcome = Finished | Stopped
-
-
-@dataclass
-class RunTimings:
-    """Wall-clock seconds per optimizer step and per checkpoint snapshot, for metrics; the
-    run's setup before its first step by phase; and when its first step ended (Unix time)."""
-
-    step_seconds: list[float] = field(default_factory=list)
-    snapshot_seconds: list[float] = field(default_factory=list)
-    setup_seconds: dict[str, float] = field(default_factory=dict)
-    first_step_done_at: float | None = None
-
-    @contextlib.contextmanager
-    def setup_phase(self, name: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            elapsed = time.perf_counter() - started
-            self.setup_seconds[name] = self.setup_seconds.get(name, 0.0) + elapsed
 
 
 class NonFinite(TrainingFailure):
@@ -231,22 +144,6 @@ class Trainer:
                     resident.release()
 
 
-def job_fingerprint(
-    spec: JobSpec, instance: Sequence[PreparedImage], class_images: Sequence[PreparedImage]
-) -> str:
-    """Identifies what a checkpoint was trained on: weight-relevant spec fields and data."""
-    data = {
-        # The fields that train, as declared in core/spec.py (a pinned test guards the set).
-        "spec": spec.fingerprint_values(),
-        "instance": [[i.name, i.sha256, i.caption] for i in instance],
-        "class": [i.sha256 for i in class_images],
-    }
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
-_AUTOCAST_DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 def _enable_activation_checkpointing(encoder: Any) -> None:
     # Non-reentrant checkpointing works with frozen inputs (only LoRA weights need grads).
     kwargs = {"use_reentrant": False}
@@ -277,7 +174,6 @@ class _Run:
         # The newest state known finite: where a compiled run that turns non-finite goes on
         # from, eager.
         self.last_good: TrainingSnapshot | None = None
-        self.snapshot_plan: _SnapshotPlan | None = None
         self.pending_stop: StopReason | None = None
         self.step = 0
         self.start_step = 0
@@ -377,6 +273,7 @@ class _Run:
                 dropout=spec.lora_dropout,
             )
             self.enable_training_mode()
+        self.snapshots = RunSnapshots(self)
         self.family = self.components.family
         self.forward_loss: Callable[..., torch.Tensor] = (
             self._loss_from_token_ids if spec.train_text_encoder else self._forward_loss
@@ -384,7 +281,7 @@ class _Run:
         self.eager_forward_loss = self.forward_loss
         self.denoiser_forward: Callable[..., Any] = self.components.denoiser
         with phase("compile_choice"):
-            if self.should_compile(resume):
+            if should_compile(self.config, self.resident, resume, self.notice):
                 self.compile_step()
         with _tracer.start_as_current_span("training.precompute") as span, phase("precompute"):
             self.precompute_conditioning()
@@ -403,7 +300,7 @@ class _Run:
                 ),
                 phase("restore"),
             ):
-                self.restore(resume)
+                self.snapshots.restore(resume)
         self.start_step = self.step
         with _tracer.start_as_current_span(
             "training.steps", attributes={"lorafleet.start_step": self.start_step}
@@ -434,60 +331,20 @@ class _Run:
         if self.hooks.on_notice is not None:
             self.hooks.on_notice(message)
 
-    # Compiling ------------------------------------------------------------------------------------
-
-    def should_compile(self, resume: TrainingSnapshot | None) -> bool:
-        """The run's choice (compiling.py), said on the job's timeline unless it is fixed."""
-        choice = self.config.compile_choice
-        if choice == "off":
-            return False
-        shape = self.spec.compiled_shape_key
-        cache = self.config.compile_cache_dir
-        costs = CompileCosts(Path(cache) if cache is not None else None).get(shape)
-        start = resume.step if resume is not None else 0
-        decision = decide(
-            choice,
-            costs,
-            remaining_steps=self.spec.max_train_steps - start,
-            warm=self.resident.is_compiled(shape),
-        )
-        if choice == "auto":
-            self.notice(decision.reason)
-        return decision.compile
+    # Compiling (compiled_step.py) ---------------------------------------------------------------
 
     def compile_step(self) -> None:
         """Compiled on the first step (the warm-up: `timings.step_seconds[0]`), or taken from the
-        resident model when a run of this shape compiled it before. Noise, timesteps and
-        latents are drawn outside, LoRA dropout masks inside, all from the run's generators;
-        the modules stay the same objects: LoRA weights, checkpoints and the result are
-        unchanged. The compiled code takes the modules as inputs (dynamo guards their types,
-        not their identity), so fresh adapters on the resident model reuse it. What is
-        compiled is what measured fastest (docs/BENCHMARKS.md, "Trainer")."""
-        if self.config.compile_cache_dir is not None:
-            use_cache_dir(Path(self.config.compile_cache_dir))
-        shape = self.spec.compiled_shape_key
-        self.compiled_cold = not self.resident.is_compiled(shape)
+        resident model when a run of this shape compiled it before (compiled_step.py)."""
+        self.compiled_cold = not self.resident.is_compiled(self.spec.compiled_shape_key)
         self.compiled = True
         if self.spec.train_text_encoder:
-            # One graph from the prompt's token ids to the loss, so one backward graph through
-            # the encoders and the UNet (-10% a step against compiling each model);
-            install_output_hooks(list(self.components.text_encoders.values()))
-            # dynamo checks its guards on the models' thousands of module attributes by one
-            # dict-version tag per unchanged module, not one by one, every step (set while
-            # compiling, when the guards are built; not process-wide).
-            step = self.resident.compiled(
-                shape,
-                lambda: torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True)(
-                    torch.compile(_Run._loss_from_token_ids)
-                ),
+            step = compiled_loss(
+                self.config, self.resident, self.components, _Run._loss_from_token_ids
             )
             self.forward_loss = functools.partial(step, self)
         else:
-            # with the embeddings cached, the denoiser alone (for SDXL the whole loss as one
-            # graph was 15% slower a step).
-            self.denoiser_forward = self.resident.compiled(
-                shape, lambda: torch.compile(self.components.denoiser)
-            )
+            self.denoiser_forward = compiled_denoiser(self.config, self.resident, self.components)
 
     def fall_back_to_eager(self, failure: TrainingFailure) -> None:
         """A compiled run turned non-finite: the rest of the lease runs eager from the last
@@ -499,7 +356,7 @@ class _Run:
         self.denoiser_forward = self.components.denoiser
         self.compiled = False
         self.fell_back_to_eager = True
-        self.restore(self.last_good)
+        self.snapshots.restore(self.last_good)
         self.notice(
             f"{failure}; the compiled step is dropped on this node and training goes on eager"
             f" from step {self.last_good.step}"
@@ -507,7 +364,9 @@ class _Run:
 
     def stopped(self) -> Stopped:
         reason = self.pending_stop or "cancel"
-        snapshot = self.snapshot() if reason == "drain" and self.step > self.start_step else None
+        snapshot = (
+            self.snapshots.take() if reason == "drain" and self.step > self.start_step else None
+        )
         return Stopped(step=self.step, reason=reason, snapshot=snapshot)
 
     def poll(self) -> None:
@@ -623,71 +482,14 @@ class _Run:
         self.latent_moments = torch.cat(chunks)
 
     def build_optimization(self) -> None:
+        """The optimizer and LR schedule (optimization.py), and the run's data and noise
+        generators."""
         spec = self.spec
-        runtime = self.runtime
-        self.params: list[torch.nn.Parameter] = []
-        groups: list[dict[str, Any]] = []
-        learning_rate = spec.learning_rate
-        if spec.scale_lr:
-            # As diffusers' --scale_lr: the rate per image seen, for one process.
-            learning_rate *= spec.train_batch_size * spec.gradient_accumulation_steps
-        for name, module in self.trained.items():
-            params = [p for _, p in lora_parameters(module)]
-            self.params.extend(params)
-            lr = (
-                learning_rate
-                if name == self.family.denoiser_name
-                else spec.text_encoder_learning_rate
-            )
-            if spec.optimizer == "prodigy":
-                # Prodigy learns one step size for all groups and refuses differing rates; as in
-                # diffusers' script, the text encoders train at learning_rate then.
-                lr = learning_rate
-            if len(groups) == 2:
-                # Every text encoder trains in one group (the second joins the first's).
-                groups[-1]["params"].extend(params)
-            else:
-                groups.append({"params": params, "lr": lr})
-        optimizer_kwargs: dict[str, Any] = {
-            # Also the default group rate, which the polynomial schedule decays from.
-            "lr": learning_rate,
-            "betas": (spec.adam_beta1, spec.adam_beta2),
-            "weight_decay": spec.adam_weight_decay,
-            "eps": spec.adam_epsilon,
-        }
-        optimizer_name = "adamw_8bit" if spec.use_8bit_adam else spec.optimizer
-        optimizer: Any
-        if optimizer_name == "adamw_8bit":
-            import bitsandbytes
-
-            optimizer = bitsandbytes.optim.AdamW8bit(groups, **optimizer_kwargs)
-        elif optimizer_name == "prodigy":
-            optimizer = _prodigy(groups, spec, optimizer_kwargs)
-        else:
-            # Fused AdamW (CUDA and CPU): one kernel over every tensor instead of torch's CPU
-            # default, a Python loop over hundreds of small LoRA tensors (docs/BENCHMARKS.md).
-            optimizer = torch.optim.AdamW(groups, fused=True, **optimizer_kwargs)
-        lr_scheduler = get_scheduler(
-            spec.lr_scheduler,
-            optimizer=optimizer,
-            num_warmup_steps=spec.lr_warmup_steps,
-            num_training_steps=spec.max_train_steps,
-            num_cycles=spec.lr_num_cycles,
-            power=spec.lr_power,
+        self.optimization = build_optimization(
+            spec, self.runtime, self.trained, self.family.denoiser_name
         )
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        # Mixed precision is autocast around the forward pass (torch.amp). fp16 also needs loss
-        # scaling against underflowing gradients; bf16 has fp32's range and needs none. (fp16
-        # runs only on CUDA: resolve_runtime refuses it on the CPU.) Everything is already on
-        # its device, and gradient accumulation is counted in optimizer_step.
-        self.autocast_dtype = _AUTOCAST_DTYPES[runtime.mixed_precision]
-        self.scaler = (
-            torch.amp.GradScaler(runtime.device.type) if runtime.mixed_precision == "fp16" else None
-        )
-        device = runtime.device
         self.data_generator = torch.Generator("cpu").manual_seed(spec.seed)
-        self.noise_generator = torch.Generator(device).manual_seed(spec.seed + 1)
+        self.noise_generator = torch.Generator(self.runtime.device).manual_seed(spec.seed + 1)
 
     # Training ---------------------------------------------------------------------------------
 
@@ -695,7 +497,7 @@ class _Run:
         """Trains to the end or a stop. A compiled run that turns non-finite goes on eager
         from the last finite state, once (`fall_back_to_eager`)."""
         if self.compiled:
-            self.last_good = self.snapshot()
+            self.last_good = self.snapshots.take()
         while True:
             try:
                 return self.train_steps()
@@ -721,7 +523,7 @@ class _Run:
             started = time.perf_counter()
             with self.torch_rng.active():
                 loss = self.optimizer_step()
-            if self.scaler is None:
+            if self.optimization.scaler is None:
                 nonfinite |= ~torch.isfinite(loss)
             self.timings.step_seconds.append(time.perf_counter() - started)
             if self.timings.first_step_done_at is None:
@@ -736,7 +538,7 @@ class _Run:
                     hooks.on_progress(
                         self.step,
                         self.last_loss,
-                        float(self.lr_scheduler.get_last_lr()[0]),
+                        float(self.optimization.lr_scheduler.get_last_lr()[0]),
                         (now - last_report) / steps_since_report,
                     )
                 last_report = now
@@ -753,7 +555,7 @@ class _Run:
                 with _tracer.start_as_current_span(
                     "training.snapshot", attributes={"lorafleet.step": self.step}
                 ):
-                    snapshot = self.snapshot()
+                    snapshot = self.snapshots.take()
                 self.timings.snapshot_seconds.append(time.perf_counter() - started)
                 if self.compiled:
                     self.last_good = snapshot
@@ -775,7 +577,8 @@ class _Run:
         """A NaN or Inf never becomes a checkpoint or a result: the lease ends as a node fault
         (on a sound spec it is the machine's arithmetic; a job that diverges everywhere runs
         out of `max_failures`)."""
-        weights_finite = torch.stack([torch.isfinite(p).all() for p in self.params]).all()
+        params = self.optimization.params
+        weights_finite = torch.stack([torch.isfinite(p).all() for p in params]).all()
         if bool(nonfinite_loss) or not bool(weights_finite):
             raise NonFinite(
                 FailureClass.NODE,
@@ -794,26 +597,28 @@ class _Run:
             examples = self.data.next_batch(self.spec.train_batch_size, self.data_generator)
             loss = self.micro_step(examples)
             total = loss if total is None else total + loss
-        self.apply_gradients()
+        self.optimization.apply_gradients(self.spec.max_grad_norm)
         self.step += 1
         assert total is not None
         return total / accumulation
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.autocast_dtype is None:
+        dtype = self.optimization.autocast_dtype
+        if dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.runtime.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(device_type=self.runtime.device.type, dtype=dtype)
 
     def micro_step(self, examples: list[Example]) -> torch.Tensor:
-        """Forward and backward of one micro-batch; gradients add up until apply_gradients.
+        """Forward and backward of one micro-batch; gradients add up until the optimizer step.
         Returns the micro-batch's loss, detached."""
         latents = self.latents(examples)
         draws = self.family.draw(latents, self.noise_generator, examples, self)
         loss = self.forward_loss(latents, draws, *self.conditioning_inputs(examples))
         # The accumulated gradient is that of the mean loss over the micro-batches.
         scaled = loss / self.spec.gradient_accumulation_steps
-        if self.scaler is not None:
-            scaled = self.scaler.scale(scaled)
+        scaler = self.optimization.scaler
+        if scaler is not None:
+            scaled = scaler.scale(scaled)
         torch.autograd.backward(scaled)
         return loss.detach()
 
@@ -844,26 +649,6 @@ class _Run:
     @property
     def num_class(self) -> int:
         return self.data.num_class
-
-    def apply_gradients(self) -> None:
-        """Clip, step the optimizer and the LR schedule, clear the gradients."""
-        scaler = self.scaler
-        if scaler is None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.spec.max_grad_norm, foreach=True)
-            self.optimizer.step()
-            stepped = True
-        else:
-            scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-            torch.nn.utils.clip_grad_norm_(self.params, self.spec.max_grad_norm, foreach=True)
-            scale = scaler.get_scale()
-            scaler.step(self.optimizer)  # skipped when the gradients hold an inf or NaN
-            scaler.update()
-            # update() lowers the scale exactly when it skipped the step.
-            stepped = scaler.get_scale() >= scale
-        if stepped:
-            # The schedule counts applied updates: a skipped fp16 step does not advance it.
-            self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
 
     def encode_moments(self, examples: list[Example]) -> torch.Tensor:
         """VAE posterior (mean, std) stacked on the channel axis."""
@@ -909,187 +694,3 @@ class _Run:
         if self.runtime.device.type == "cpu":
             return tensor
         return tensor.pin_memory().to(self.runtime.device, non_blocking=True)
-
-    # Checkpoints --------------------------------------------------------------------------------
-
-    @functools.cached_property
-    def _live_lora(self) -> dict[str, torch.nn.Parameter]:
-        """The LoRA parameters by checkpoint key. Found once: walking a full-size UNet's
-        modules at every checkpoint took most of the training thread's snapshot time."""
-        return {
-            f"lora/{module_name}/{name}": param
-            for module_name, module in self.trained.items()
-            for name, param in lora_parameters(module)
-        }
-
-    def snapshot(self) -> TrainingSnapshot:
-        """Host copies of everything the run needs to continue exactly after `self.step`."""
-        optimizer_state = self.optimizer.state_dict()
-        plan = self.snapshot_plan
-        if plan is None or not plan.holds(optimizer_state["state"]):
-            plan = self.snapshot_plan = _SnapshotPlan(self._live_lora, optimizer_state["state"])
-        extra: dict[str, torch.Tensor] = {
-            "rng/data": self.data_generator.get_state(),
-            "rng/noise": self.noise_generator.get_state(),
-            "rng/torch": self.torch_rng.cpu_state,
-        }
-        device_key = self.torch_rng.device_key
-        if device_key is not None:
-            assert self.torch_rng.device_state is not None
-            extra[device_key] = self.torch_rng.device_state
-        tensors = plan.host_tensors(extra)
-        scaler = self.scaler
-        state = {
-            "fingerprint": self.fingerprint,
-            "loss": self.last_loss,
-            "data_order": self.data.order.state(),
-            "optimizer": {"param_groups": optimizer_state["param_groups"]},
-            "lr_scheduler": self.lr_scheduler.state_dict(),
-            "grad_scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": {"noise_device": self.runtime.device.type},
-        }
-        # A JSON round trip both deep-copies (nothing shared with the live run) and proves the
-        # state is plain JSON before it leaves the training thread. The optimizer's per-tensor
-        # references are the plan's, already plain JSON, and never written by anyone.
-        state = json.loads(json.dumps(state))
-        state["optimizer"]["state"] = plan.optimizer_references
-        return TrainingSnapshot(step=self.step, tensors=tensors, state=state)
-
-    def restore(self, snapshot: TrainingSnapshot) -> None:
-        try:
-            self._restore(snapshot)
-        except (KeyError, ValueError, TypeError, IndexError) as exc:
-            # The blob verified, so this is a checkpoint of another lorafleet version or model.
-            raise CorruptCheckpoint(
-                f"checkpoint at step {snapshot.step} cannot be restored:"
-                f" {type(exc).__name__}: {exc}"
-            ) from exc
-
-    def _restore(self, snapshot: TrainingSnapshot) -> None:
-        tensors = snapshot.tensors
-        state = snapshot.state
-        live = self._live_lora
-        stored = {key for key in tensors if key.startswith("lora/")}
-        if stored != set(live):
-            raise CorruptCheckpoint(
-                f"checkpoint at step {snapshot.step} holds other LoRA parameters than this model"
-            )
-        with torch.no_grad():
-            for key, param in live.items():
-                if tensors[key].shape != param.shape:
-                    raise CorruptCheckpoint(f"checkpoint tensor {key} has the wrong shape")
-                param.copy_(tensors[key])
-        optimizer_state = {
-            int(index): join_tensors(values, tensors)
-            for index, values in state["optimizer"]["state"].items()
-        }
-        self.optimizer.load_state_dict(
-            {"state": optimizer_state, "param_groups": state["optimizer"]["param_groups"]}
-        )
-        self.lr_scheduler.load_state_dict(dict(state["lr_scheduler"]))
-        if self.scaler is not None and state["grad_scaler"] is not None:
-            self.scaler.load_state_dict(state["grad_scaler"])
-        order = DataOrder.from_state(state["data_order"])
-        if order.size != self.data.order.size:
-            raise CorruptCheckpoint("checkpoint data order is for a different dataset size")
-        if order.buckets != self.data.order.buckets:
-            raise CorruptCheckpoint("checkpoint data order is for other aspect-ratio buckets")
-        self.data.order = order
-        self.data_generator.set_state(tensors["rng/data"])
-        same_device = state["rng"]["noise_device"] == self.runtime.device.type
-        if same_device:
-            self.noise_generator.set_state(tensors["rng/noise"])
-        else:
-            # CPU and CUDA generators are different algorithms: a checkpoint moved between the
-            # two continues with a fresh, still deterministic, stream.
-            self.noise_generator.manual_seed(self.spec.seed + 1 + snapshot.step)
-        # The run's own torch stream; the process's generators are never touched. (Checkpoints
-        # before it existed stored torch's global state here, which was then the same stream.)
-        self.torch_rng.cpu_state = tensors["rng/torch"].clone()
-        device_key = self.torch_rng.device_key
-        if device_key is not None and device_key in tensors and same_device:
-            self.torch_rng.device_state = tensors[device_key].clone()
-        self.step = snapshot.step
-        self.last_loss = float(state["loss"])
-
-
-class _SnapshotPlan:
-    """What a run's snapshot copies, worked out once (at its first checkpoint) and reused while
-    the optimizer keeps the same state tensors, which it updates in place: the checkpoint
-    keys of the LoRA weights and optimizer state, the optimizer state's JSON skeleton (tensor
-    references by key), and on a GPU the `DeviceSnapshotter` of those tensors. Walking
-    thousands of state tensors and round-tripping their references through JSON at every
-    checkpoint was most of a full-size run's snapshot time. State that is not all tensors
-    (an optimizer keeping Python numbers) gets a new plan at every snapshot."""
-
-    def __init__(
-        self, lora: Mapping[str, torch.Tensor], state: Mapping[int, Mapping[str, Any]]
-    ) -> None:
-        self.tensors: dict[str, torch.Tensor] = dict(lora)
-        references = {
-            str(index): split_tensors(values, f"optimizer/{index}", self.tensors)
-            for index, values in state.items()
-        }
-        self.optimizer_references: dict[str, Any] = json.loads(json.dumps(references))
-        self._state = _flat_state(state)
-        on_device = {k: v for k, v in self.tensors.items() if v.device.type != "cpu"}
-        self._on_host = {k: v for k, v in self.tensors.items() if v.device.type == "cpu"}
-        self._device = (
-            DeviceSnapshotter(on_device) if on_device and self._state is not None else None
-        )
-
-    def holds(self, state: Mapping[int, Mapping[str, Any]]) -> bool:
-        """Whether the optimizer state is still the tensors this plan was made from."""
-        if self._state is None:
-            return False
-        flat = _flat_state(state)
-        return (
-            flat is not None
-            and len(flat) == len(self._state)
-            and all(
-                a is b if isinstance(a, torch.Tensor) else a == b
-                for a, b in zip(flat, self._state, strict=True)
-            )
-        )
-
-    def host_tensors(self, extra: Mapping[str, torch.Tensor]) -> HostTensors:
-        if self._device is None:
-            return to_host({**self.tensors, **extra})
-        return self._device.snapshot({**self._on_host, **extra})
-
-
-def _flat_state(state: Mapping[int, Mapping[str, Any]]) -> list[Any] | None:
-    """The optimizer state as one list (index, name, tensor, ...), or None when a value is not
-    a tensor (it could change without the state's objects changing)."""
-    flat: list[Any] = []
-    for index, values in state.items():
-        flat.append(index)
-        for name, value in values.items():
-            if not isinstance(value, torch.Tensor):
-                return None
-            flat.extend((name, value))
-    return flat
-
-
-def _prodigy(groups: list[dict[str, Any]], spec: JobSpec, kwargs: dict[str, Any]) -> Any:
-    """Prodigy (prodigyopt) with the spec's settings; the Adam betas, epsilon and (decoupled)
-    weight decay are the spec's `adam_*` values, as in diffusers' script."""
-    # prodigyopt ships no type information.
-    prodigyopt: Any = importlib.import_module("prodigyopt")
-    optimizer = prodigyopt.Prodigy(
-        groups,
-        lr=kwargs["lr"],
-        betas=kwargs["betas"],
-        eps=kwargs["eps"],
-        # Set below: the constructor prints a line to stdout when weight decay is on, which
-        # would break the worker's one-JSON-object-per-line logs.
-        weight_decay=0.0,
-        decouple=True,
-        use_bias_correction=spec.prodigy_use_bias_correction,
-        safeguard_warmup=spec.prodigy_safeguard_warmup,
-        d_coef=spec.prodigy_d_coef,
-    )
-    optimizer.defaults["weight_decay"] = kwargs["weight_decay"]
-    for group in optimizer.param_groups:
-        group["weight_decay"] = kwargs["weight_decay"]
-    return optimizer
