@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import os
 import shutil
 import signal
@@ -268,6 +267,17 @@ def _sample_images(directory: Path, resolution: int) -> Path:
     return directory
 
 
+def _build_quietly(build: Callable[..., object], family: FamilyName, model_dir: Path) -> None:
+    """Builds the demo model without transformers' own chatter in the demo's output (a note
+    that torchvision is missing and a PIL image processor is used instead, a progress bar per
+    saved shard): none of it is about the demo, and a new user took it for a problem."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    build(model_dir, family=family)
+
+
 async def run_demo(args: argparse.Namespace) -> int:
     data_dir: Path = args.data_dir
     await asyncio.to_thread(data_dir.mkdir, parents=True, exist_ok=True)
@@ -283,7 +293,7 @@ async def run_demo(args: argparse.Namespace) -> int:
             print(
                 f"building a tiny {family}-architecture demo model...", file=sys.stderr, flush=True
             )
-            await asyncio.to_thread(functools.partial(build_tiny_model, family=family), model_dir)
+            await asyncio.to_thread(_build_quietly, build_tiny_model, family, model_dir)
         base_model = str(model_dir.resolve())
     else:
         base_model = args.base_model

@@ -276,7 +276,10 @@ class WorkerHandler:
         if not session.notices.take():
             session.notices_suppressed += 1
             return
-        session.log.warning(
+        # At INFO: a notice is the holder's note on the job's timeline (the interval it chose, a
+        # compile decision, a checkpoint it could not store), not this replica's problem; at
+        # WARNING it also showed as a raw log line inside `lorafleet demo`'s progress output.
+        session.log.info(
             "worker notice",
             machine_id=session.machine.machine_id,
             lease_id=notice.lease.lease_id if notice.lease is not None else "",
