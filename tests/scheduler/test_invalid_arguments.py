@@ -282,6 +282,26 @@ WORKER_MESSAGES = st.one_of(
 )
 
 
+async def test_a_batch_of_one_names_its_fields_as_a_batch(fleet: Fleet) -> None:
+    """SubmitJobs names a field `jobs[i].spec...` however many jobs it holds: a batch of one
+    whose images are missing said `spec.instance_data_prefix` (the fuzzing above found it, in
+    a clean clone's run)."""
+    stub = pbgrpc.JobServiceStub(fleet.channel)
+    spec = pb.JobSpec(
+        instance_prompt="a photo of sks dog",
+        instance_data_prefix="nothing-here",
+        max_train_steps=10,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.SubmitJobs(
+            pb.SubmitJobsRequest(jobs=[pb.SubmitJobRequest(spec=spec)]),
+            metadata=fleet.alice.metadata,
+            timeout=30,
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (refused.value.details() or "").startswith("jobs[0].spec.instance_data_prefix: no files")
+
+
 # A hundred streams from one address in a few seconds: past the per-peer stream bound, which
 # is not what this test is about (test_hostile_holders.py is).
 @pytest.mark.parametrize("scheduler_overrides", [{"worker_streams_per_peer_per_min": 0}])

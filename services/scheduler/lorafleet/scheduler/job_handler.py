@@ -126,15 +126,22 @@ class JobHandler:
         self._webhook_policy = webhook_policy or AddressPolicy()
 
     async def submit(
-        self, owner: str, submissions: Sequence[Submission], *, api_key_id: str | None = None
+        self,
+        owner: str,
+        submissions: Sequence[Submission],
+        *,
+        api_key_id: str | None = None,
+        batch: bool = False,
     ) -> list[Job]:
-        """All or nothing: every spec is checked (and its data found) before any row is written."""
+        """All or nothing: every spec is checked (and its data found) before any row is written.
+        `batch`: the submissions came as SubmitJobs' `jobs`, so a field is named `jobs[i].spec...`
+        even for a batch of one (as SubmitJobs' own checks name it)."""
         if not 1 <= len(submissions) <= MAX_BATCH:
             raise InvalidArgument("jobs", f"must hold 1 to {MAX_BATCH} jobs")
         # A batch usually shares its data prefixes: list each distinct one once.
         has_files: dict[str, bool] = {}
         for i, sub in enumerate(submissions):
-            prefix = "spec" if len(submissions) == 1 else f"jobs[{i}].spec"
+            prefix = f"jobs[{i}].spec" if batch or len(submissions) > 1 else "spec"
             if len(sub.idempotency_key) > 200 or "\x00" in sub.idempotency_key:
                 raise InvalidArgument(
                     prefix.replace("spec", "idempotency_key"), "at most 200 characters, no NUL"

@@ -133,7 +133,9 @@ class JobServicer(pbgrpc.JobServiceServicer):
                 Submission(spec=_spec(r.spec, f"jobs[{i}].spec"), idempotency_key=r.idempotency_key)
                 for i, r in enumerate(request.jobs)
             ]
-            jobs = await self._handler.submit(caller.owner, subs, api_key_id=caller.key_id)
+            jobs = await self._handler.submit(
+                caller.owner, subs, api_key_id=caller.key_id, batch=True
+            )
             return pb.SubmitJobsResponse(jobs=[job_to_proto(j) for j in jobs])
 
         return await self._call(context, run)
