@@ -69,7 +69,7 @@ The modules, one role each:
 * Checkpoints: `snapshots.py` (a run's state as a `TrainingSnapshot` and back; the job
   fingerprint), `checkpoint.py` (host copies and the one-blob format), `serialization.py`
   (reproducible in-memory safetensors).
-* Images made by the base model: `sampling.py` (prior-preservation class images, during a run),
+* Images made by the base model: `class_images.py` (prior-preservation class images, during a run),
   `samples.py` (validation images, made by sample tasks from checkpoints and results).
 """
 

@@ -25,6 +25,7 @@ from opentelemetry import trace
 
 from lorafleet.core.model import FailureClass
 from lorafleet.worker.training.checkpoint import TrainingSnapshot
+from lorafleet.worker.training.class_images import generate_class_images
 from lorafleet.worker.training.compiled_step import (
     compiled_denoiser,
     compiled_loss,
@@ -62,7 +63,6 @@ from lorafleet.worker.training.lora import (
 from lorafleet.worker.training.optimization import build_optimization
 from lorafleet.worker.training.resident import ResidentModel
 from lorafleet.worker.training.rng import TorchRngStream
-from lorafleet.worker.training.sampling import generate_class_images
 from lorafleet.worker.training.snapshots import RunSnapshots, job_fingerprint
 
 # job_fingerprint is snapshots.py's; importable from here as before.

@@ -23,12 +23,12 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from lorafleet.core.model import SampleSettings
 from lorafleet.worker.training.checkpoint import load_checkpoint
+from lorafleet.worker.training.class_images import png_bytes
 from lorafleet.worker.training.config import Runtime, TrainingConfig, resolve_runtime
 from lorafleet.worker.training.failures import CorruptCheckpoint, input_fault
 from lorafleet.worker.training.families.base import Components
 from lorafleet.worker.training.lora import add_lora
 from lorafleet.worker.training.resident import ResidentModel
-from lorafleet.worker.training.sampling import png_bytes
 
 
 class SamplesStopped(Exception):
