@@ -104,6 +104,14 @@ class WorkerConfig(ServiceSettings):
         " and has not trained a step, a notice on the job's timeline this often says what it is"
         " doing",
     )
+    hub_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="how long one request to the Hugging Face hub may wait for an answer, its"
+        " retries included (huggingface_hub waits 60 s on each retry of a metadata request"
+        " otherwise: a hub that does not answer held a lease 6 minutes per file)",
+    )
     setup_stall_timeout_s: float = Field(
         900.0,
         gt=0,

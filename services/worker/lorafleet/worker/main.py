@@ -165,6 +165,26 @@ def stop_with_parent(environ: Mapping[str, str]) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def bound_hub_requests(timeout_s: float) -> None:
+    """Every request this process makes to the Hugging Face hub waits at most `timeout_s` for
+    an answer. huggingface_hub reads its timeouts from the environment once, at import (set
+    here for a hub imported later), and retries a failed metadata request five times with a
+    fixed 60 s timeout of its own (`file_download._ETAG_RETRY_TIMEOUT`, set here where this
+    version has it): a hub that does not answer (issue 32: a machine without network) held a
+    lease some six minutes per file. With the bound, a download that cannot succeed fails in
+    about 6 x `timeout_s` plus its backoff, as a node fault (`base_model.
+    raise_if_missing_repo`), while the setup watch's notices say it is loading the model."""
+    seconds = max(1, round(timeout_s))
+    os.environ["HF_HUB_ETAG_TIMEOUT"] = str(seconds)  # for a process started from this one
+    os.environ["HF_HUB_DOWNLOAD_TIMEOUT"] = str(seconds)
+    from huggingface_hub import constants, file_download
+
+    constants.HF_HUB_ETAG_TIMEOUT = seconds
+    constants.HF_HUB_DOWNLOAD_TIMEOUT = seconds
+    if hasattr(file_download, "_ETAG_RETRY_TIMEOUT"):
+        setattr(file_download, "_ETAG_RETRY_TIMEOUT", seconds)  # noqa: B010 (private)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `lorafleet worker` and `python -m lorafleet.worker`; returns the exit
     code."""
@@ -178,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Process-wide setup, only once the configuration is known to be good.
     stop_with_parent(os.environ)
+    bound_hub_requests(config.hub_timeout_s)
     configure_logging(level=args.log_level, fmt=args.log_format)
     configure_tracing("lorafleet-worker")
     if args.probe_only:
