@@ -1,13 +1,22 @@
-"""lorafleet's trainer against diffusers' DreamBooth-LoRA SDXL script, same model, same run.
+"""lorafleet's trainer against diffusers' DreamBooth-LoRA scripts, same model, same run.
 
     /work/venv/bin/python bench/bench_trainer.py \\
         --reference /tmp/train_dreambooth_lora_sdxl.py --steps 40
+    /work/bench-venv/bin/python bench/bench_trainer.py --family flux2 \\
+        --reference /tmp/train_dreambooth_lora_flux2_klein.py --steps 24
 
-The reference is `examples/dreambooth/train_dreambooth_lora_sdxl.py` from huggingface/diffusers
-(not part of this repository: pass its path). Both train the same randomly initialised
-SDXL-architecture model (`lorafleet.worker.tiny_model`), on the same generated images, with the
-same hyperparameters (batch 1, constant LR, rank 4, seed 0), with and without text-encoder
-training. Reported, per trainer:
+The reference is the family's script from huggingface/diffusers' `examples/dreambooth/` (not
+part of this repository: pass its path): `train_dreambooth_lora_sdxl.py` (`--family sdxl`, the
+default), `train_dreambooth_lora_flux.py` (`flux`, FLUX.1) or `train_dreambooth_lora_flux2_klein.py`
+(`flux2`, FLUX.2 [klein]). Both train the same randomly initialised model of the family's
+architecture (`lorafleet.worker.tiny_model`), on the same generated images, with the same
+hyperparameters (batch 1, constant LR, rank 4 (16 for flux and flux2 on a GPU), alpha = rank,
+seed 0), with and without text-encoder training (SDXL, FLUX.1's CLIP; FLUX.2 [klein]'s Qwen3
+is never trained). The flow-matching scripts get what makes them train as lorafleet does:
+`--cache_latents` (lorafleet always encodes the images once), the pipeline's guidance 3.5 and
+512-token prompts (both their defaults), and for klein `--text_encoder_out_layers 9 18 27`
+(the script's default 10 20 30 is FLUX.2 [dev]'s; `Flux2KleinPipeline` reads 9, 18, 27).
+Reported, per trainer:
 
 * median seconds per optimizer step over steps 2..N (checkpoint steps excluded), and the ratio
   reference / lorafleet;
@@ -17,7 +26,11 @@ training. Reported, per trainer:
 * bytes written to local disk during the run: /proc/self/io `write_bytes` plus every
   Python-level open for writing (audit hook) for lorafleet; the output directory the reference
   leaves (checkpoints and LoRA) for it;
-* the size of the final LoRA file.
+* the size of the final LoRA file;
+* peak memory: on CUDA `torch.cuda.max_memory_allocated`; on the CPU the peak resident set of
+  the process while it trains (the reference's own process; for lorafleet, which runs in this
+  process, the high-water mark reset through /proc/self/clear_refs just before the run, so it
+  counts this process's baseline, imports and the images included, as the script's does).
 
 The reference runs in a subprocess under a small harness that timestamps its "Steps" progress
 bar. Its `torchvision` import (used only for image transforms at dataset creation) is satisfied
@@ -25,14 +38,21 @@ by a PIL-based shim when torchvision cannot be imported (the CPU torch build her
 matching torchvision on PyPI); transformers and diffusers are imported first so that they
 never see the shim.
 
-`--gpu` trains the full-size SDXL architecture (random weights, bf16 files) at 1024 px in bf16
-mixed precision on CUDA, and reports each run's peak GPU memory (`torch.cuda.max_memory_allocated`).
-`--gradient-checkpointing` turns it on in both trainers.
+`--gpu` trains the family's full-size architecture (`--preset`; by default SDXL, FLUX.1-dev or
+FLUX.2 [klein] 4B; random weights, bf16 files) at 1024 px in bf16 mixed precision on CUDA, and
+reports each run's peak GPU memory (`torch.cuda.max_memory_allocated`).
+`--gradient-checkpointing` turns it on in both trainers. `--base-quantization nf4` loads the
+frozen transformer in bitsandbytes 4-bit NF4 (lorafleet's `base_quantization`; the klein script's
+`--bnb_quantization_config_path` with the same config; FLUX.1's script has no quantization
+option, so with nf4 only lorafleet runs for `flux`). `--json-file` writes every run's figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import gc
 import io
 import json
 import os
@@ -52,7 +72,7 @@ import torch
 from PIL import Image
 
 from lorafleet.core.spec import JobSpec
-from lorafleet.worker.tiny_model import build_tiny_model
+from lorafleet.worker.tiny_model import Family, build_tiny_model
 from lorafleet.worker.training import (
     Finished,
     Trainer,
@@ -64,6 +84,15 @@ from lorafleet.worker.training import (
 )
 
 PROMPT = "a photo of sks dog"
+
+FAMILIES = ("sdxl", "flux", "flux2")
+# The full-size preset a family measures on a GPU by default (lorafleet.worker.tiny_model).
+GPU_PRESETS = {"sdxl": "sdxl", "flux": "flux-dev", "flux2": "klein-4b"}
+# Every FLUX.2 [klein] pipeline encodes prompts with Qwen3 layers 9, 18 and 27 (the klein
+# script's own default is FLUX.2 [dev]'s 10, 20, 30: diffusers issue #13445).
+KLEIN_TEXT_ENCODER_LAYERS = (9, 18, 27)
+# bitsandbytes' 4-bit NF4 as the QLoRA recipe sets it (the script fills in the compute dtype).
+NF4_CONFIG = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
 
 # Runs the reference script with its progress bar timestamped. argv: script, times.json, args...
 _HARNESS = """
@@ -80,6 +109,18 @@ class TimedTqdm(tqdm.auto.tqdm):
 
 tqdm.auto.tqdm = TimedTqdm
 peak = None
+
+
+def peak_rss():
+    # VmHWM, this address space's own peak: getrusage's ru_maxrss would carry the forking
+    # parent's peak across the exec.
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 # Settle every library's "is torchvision installed" check before the shim is importable.
 import transformers.utils.import_utils as transformers_imports
 import diffusers, peft, accelerate, torch
@@ -97,7 +138,7 @@ try:
         peak = torch.cuda.max_memory_allocated()
 finally:
     with open(out, "w") as f:
-        json.dump({{"times": times, "peak_gpu_bytes": peak}}, f)
+        json.dump({{"times": times, "peak_gpu_bytes": peak, "peak_rss_bytes": peak_rss()}}, f)
 """
 
 # The torchvision surface the reference script uses, on PIL.
@@ -230,6 +271,16 @@ class Result:
     # lorafleet only: how much longer than the median the steps that carry a checkpoint took
     # (the snapshot's whole cost, its copies on the GPU included; the script's stall is this).
     checkpoint_step_extra_s: float | None = None
+    # The trainer's peak resident set on the CPU (see the module docstring); None where the
+    # high-water mark cannot be reset.
+    peak_rss_bytes: int | None = None
+    # lorafleet only: this process's resident set when the run started (what the peak counts
+    # besides the run: the bench's own imports, the images, earlier runs' caches).
+    start_rss_bytes: int | None = None
+    family: str = "sdxl"
+    preset: str = "tiny"
+    base_quantization: str = "none"
+    rank: int = 4
 
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
@@ -261,6 +312,30 @@ class _WriteAudit:
                     cls.opens.append(str(path))
 
         sys.addaudithook(hook)
+
+
+def _reset_peak_rss() -> bool:
+    """Returns memory freed earlier to the system, then resets this process's peak resident
+    set (VmHWM) to its current size (Linux: `5` to /proc/self/clear_refs). False where it
+    cannot be reset."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _status_bytes(field: str) -> int | None:
+    """A size from /proc/self/status (VmHWM: the peak resident set, VmRSS: the current)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    return None
 
 
 def make_images(count: int, resolution: int) -> list[tuple[str, bytes]]:
@@ -309,7 +384,21 @@ def run_lorafleet(
     gpu: bool,
     compile_model: bool = False,
     gradient_checkpointing: bool = False,
+    family: str = "sdxl",
+    preset: str = "tiny",
+    rank: int = 4,
+    base_quantization: str = "none",
 ) -> tuple[Result, int]:
+    # The flow families name their model: the default base_model is SDXL's hub id.
+    family_fields: dict[str, Any] = (
+        {}
+        if family == "sdxl"
+        else {
+            "model_family": family,
+            "base_model": str(model_dir),
+            "base_quantization": base_quantization,
+        }
+    )
     spec = JobSpec(
         instance_prompt=PROMPT,
         instance_data_prefix="bench",
@@ -320,13 +409,14 @@ def run_lorafleet(
         text_encoder_learning_rate=5e-6,
         train_text_encoder=text_encoder,
         lr_scheduler="constant",
-        lora_rank=4,
-        lora_alpha=4.0,
+        lora_rank=rank,
+        lora_alpha=float(rank),
         adam_weight_decay=1e-4,
         checkpointing_steps=checkpoint_every,
         mixed_precision="bf16" if gpu else "no",
         gradient_checkpointing=gradient_checkpointing,
         seed=0,
+        **family_fields,
     )
     config = TrainingConfig(
         spec=spec,
@@ -354,6 +444,8 @@ def run_lorafleet(
     if gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    rss_reset = _reset_peak_rss()
+    start_rss = _status_bytes("VmRSS") if rss_reset else None
     trainer = Trainer(config)
     inputs = [TrainingImage(name, data) for name, data in images]
     _WriteAudit.opens = []
@@ -372,6 +464,7 @@ def run_lorafleet(
     wall = time.perf_counter() - started
     disk = _write_bytes() - written
     peak = torch.cuda.max_memory_allocated() if gpu else None
+    peak_rss = _status_bytes("VmHWM") if rss_reset else None
     timings = trainer.timings
     del trainer  # its model and optimizer, before the next run measures its own peak
     if gpu:
@@ -395,6 +488,12 @@ def run_lorafleet(
             first_step_s=timings.step_seconds[0],
             peak_gpu_bytes=peak,
             checkpoint_step_extra_s=_median_steps(extra),
+            peak_rss_bytes=peak_rss,
+            start_rss_bytes=start_rss,
+            family=family,
+            preset=preset,
+            base_quantization=base_quantization,
+            rank=rank,
         ),
         max(blob_sizes, default=0),
     )
@@ -416,6 +515,66 @@ def _tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
+def reference_args(
+    family: str,
+    *,
+    model_dir: Path,
+    image_dir: Path,
+    out: Path,
+    work: Path,
+    steps: int,
+    checkpoint_every: int,
+    resolution: int,
+    text_encoder: bool,
+    gpu: bool,
+    rank: int = 4,
+    gradient_checkpointing: bool = False,
+    base_quantization: str = "none",
+) -> list[str]:
+    """The family's diffusers script's arguments for the settings lorafleet trains with."""
+    if family == "flux2" and text_encoder:
+        raise SystemExit("FLUX.2 [klein]'s Qwen3 text encoder is never trained (--text-encoder)")
+    if base_quantization != "none" and family != "flux2":
+        raise SystemExit(f"the {family} script has no quantized base (--base-quantization)")
+    args = [
+        f"--pretrained_model_name_or_path={model_dir}",
+        f"--instance_data_dir={image_dir}",
+        f"--instance_prompt={PROMPT}",
+        f"--output_dir={out}",
+        f"--resolution={resolution}",
+        "--train_batch_size=1",
+        f"--max_train_steps={steps}",
+        "--learning_rate=1e-4",
+        "--lr_scheduler=constant",
+        "--lr_warmup_steps=0",
+        f"--rank={rank}",
+        "--adam_weight_decay=1e-4",
+        f"--checkpointing_steps={checkpoint_every}",
+        "--seed=0",
+        f"--mixed_precision={'bf16' if gpu else 'no'}",
+    ]
+    if family == "sdxl":
+        # The SDXL script's LoRA alpha is its rank.
+        args += ["--text_encoder_lr=5e-6", "--adam_weight_decay_text_encoder=1e-4"]
+    else:
+        # lorafleet encodes the images once and samples the posterior (FLUX.1) or takes its
+        # mean (klein) each step: the scripts do the same with --cache_latents.
+        args += [f"--lora_alpha={rank}", "--cache_latents"]
+    if family == "flux":
+        args += ["--text_encoder_lr=5e-6", "--adam_weight_decay_text_encoder=1e-4"]
+    if family == "flux2":
+        args += ["--text_encoder_out_layers", *map(str, KLEIN_TEXT_ENCODER_LAYERS)]
+    if base_quantization == "nf4":
+        config = work / "nf4.json"
+        config.write_text(json.dumps(NF4_CONFIG))
+        args.append(f"--bnb_quantization_config_path={config}")
+    if text_encoder:
+        args.append("--train_text_encoder")
+    if gradient_checkpointing:
+        args.append("--gradient_checkpointing")
+    return args
+
+
 def run_reference(
     script: Path,
     model_dir: Path,
@@ -429,34 +588,30 @@ def run_reference(
     gpu: bool,
     threads: int,
     gradient_checkpointing: bool = False,
+    family: str = "sdxl",
+    preset: str = "tiny",
+    rank: int = 4,
+    base_quantization: str = "none",
 ) -> Result:
     python = sys.executable
     out = work / f"reference-out-te{int(text_encoder)}"
     shutil.rmtree(out, ignore_errors=True)
     times_file = work / "times.json"
-    args = [
-        f"--pretrained_model_name_or_path={model_dir}",
-        f"--instance_data_dir={image_dir}",
-        f"--instance_prompt={PROMPT}",
-        f"--output_dir={out}",
-        f"--resolution={resolution}",
-        "--train_batch_size=1",
-        f"--max_train_steps={steps}",
-        "--learning_rate=1e-4",
-        "--text_encoder_lr=5e-6",
-        "--lr_scheduler=constant",
-        "--lr_warmup_steps=0",
-        "--rank=4",
-        "--adam_weight_decay=1e-4",
-        "--adam_weight_decay_text_encoder=1e-4",
-        f"--checkpointing_steps={checkpoint_every}",
-        "--seed=0",
-        f"--mixed_precision={'bf16' if gpu else 'no'}",
-    ]
-    if text_encoder:
-        args.append("--train_text_encoder")
-    if gradient_checkpointing:
-        args.append("--gradient_checkpointing")
+    args = reference_args(
+        family,
+        model_dir=model_dir,
+        image_dir=image_dir,
+        out=out,
+        work=work,
+        steps=steps,
+        checkpoint_every=checkpoint_every,
+        resolution=resolution,
+        text_encoder=text_encoder,
+        gpu=gpu,
+        rank=rank,
+        gradient_checkpointing=gradient_checkpointing,
+        base_quantization=base_quantization,
+    )
     harness = _HARNESS.format(shim=_shim_dir(python, work), threads=threads)
     started = time.perf_counter()
     completed = subprocess.run(
@@ -485,12 +640,37 @@ def run_reference(
         lora_bytes=lora.stat().st_size if lora.exists() else 0,
         wall_s=wall,
         peak_gpu_bytes=recorded["peak_gpu_bytes"],
+        peak_rss_bytes=recorded.get("peak_rss_bytes"),
+        family=family,
+        preset=preset,
+        base_quantization=base_quantization,
+        rank=rank,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reference", type=Path, help="path to train_dreambooth_lora_sdxl.py")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        help="the family's script: train_dreambooth_lora_sdxl.py, _flux.py or _flux2_klein.py",
+    )
+    parser.add_argument("--family", choices=FAMILIES, default="sdxl")
+    parser.add_argument(
+        "--preset",
+        help="the model's size (lorafleet.worker.tiny_model presets); default: tiny on the CPU,"
+        f" with --gpu {', '.join(f'{f} {p}' for f, p in GPU_PRESETS.items())}",
+    )
+    parser.add_argument(
+        "--rank", type=int, help="LoRA rank (= alpha); default 4, with --gpu 16 for flux, flux2"
+    )
+    parser.add_argument(
+        "--base-quantization",
+        choices=["none", "nf4"],
+        default="none",
+        help="the frozen transformer's weights (CUDA only; flux and flux2)",
+    )
+    parser.add_argument("--json-file", type=Path, help="write every run's figures here as JSON")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--images", type=int, default=4)
@@ -511,8 +691,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--text-encoder",
         choices=["both", "frozen", "trained"],
-        default="both",
-        help="which text-encoder settings to run",
+        help="which text-encoder settings to run (default: both; flux2 only frozen)",
     )
     parser.add_argument(
         "--no-eager",
@@ -527,12 +706,25 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
 
+    family: Family = args.family
+    preset: str = args.preset or (GPU_PRESETS[family] if args.gpu else "tiny")
+    rank: int = args.rank or (16 if args.gpu and family != "sdxl" else 4)
+    if args.base_quantization != "none" and (not args.gpu or family == "sdxl"):
+        parser.error("--base-quantization needs --gpu and --family flux or flux2")
+    text_encoder_choice = args.text_encoder or ("frozen" if family == "flux2" else "both")
+    if family == "flux2" and text_encoder_choice != "frozen":
+        parser.error("--text-encoder: FLUX.2 [klein]'s Qwen3 is never trained")
+    # The flux script cannot quantize its base: with nf4 lorafleet runs alone.
+    reference = args.reference
+    if reference is not None and args.base_quantization != "none" and family == "flux":
+        print("the FLUX.1 script has no quantized base: lorafleet only", flush=True)
+        reference = None
     resolution = 1024 if args.gpu else 64
     if args.threads:
         torch.set_num_threads(args.threads)
     _WriteAudit.install()
     text_encoders = {"both": (False, True), "frozen": (False,), "trained": (True,)}[
-        args.text_encoder
+        text_encoder_choice
     ]
     compile_modes = (True,) if args.no_eager else (False, True) if args.compile else (False,)
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
@@ -541,7 +733,8 @@ def main(argv: list[str] | None = None) -> None:
         if not (model_dir / "model_index.json").exists():
             build_tiny_model(
                 model_dir,
-                preset="sdxl" if args.gpu else "tiny",
+                family=family,
+                preset=preset,
                 weights_dtype="bf16" if args.gpu else "fp32",
             )
         images = make_images(args.images, resolution)
@@ -567,13 +760,17 @@ def main(argv: list[str] | None = None) -> None:
                         gpu=args.gpu,
                         compile_model=compile_model,
                         gradient_checkpointing=args.gradient_checkpointing,
+                        family=family,
+                        preset=preset,
+                        rank=rank,
+                        base_quantization=args.base_quantization,
                     )
                     results.append(result)
                     _progress(result)
-                if args.reference is not None:
+                if reference is not None:
                     results.append(
                         run_reference(
-                            args.reference,
+                            reference,
                             model_dir,
                             image_dir,
                             work,
@@ -584,12 +781,22 @@ def main(argv: list[str] | None = None) -> None:
                             gpu=args.gpu,
                             threads=args.threads,
                             gradient_checkpointing=args.gradient_checkpointing,
+                            family=family,
+                            preset=preset,
+                            rank=rank,
+                            base_quantization=args.base_quantization,
                         )
                     )
                     _progress(results[-1])
+    print(
+        f"family {family}, preset {preset}, rank {rank}, base {args.base_quantization},"
+        f" {resolution} px, gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}"
+    )
     report(results, blob_bytes)
     if args.json:
         print(json.dumps([asdict(r) for r in results]))
+    if args.json_file is not None:
+        args.json_file.write_text(json.dumps([asdict(r) for r in results], indent=1))
 
 
 def _progress(result: Result) -> None:
@@ -629,7 +836,10 @@ def report(results: list[Result], blob_bytes: int) -> None:
         firsts = [r.first_step_s for r in rs if r.first_step_s is not None]
         first = f"{statistics.median(firsts):>10.2f}" if firsts else f"{'-':>10}"
         wall = statistics.median(r.wall_s for r in rs)
-        peaks = [r.peak_gpu_bytes for r in rs if r.peak_gpu_bytes is not None]
+        # GPU memory on CUDA, else the resident set.
+        peaks = [r.peak_gpu_bytes for r in rs if r.peak_gpu_bytes is not None] or [
+            r.peak_rss_bytes for r in rs if r.peak_rss_bytes is not None
+        ]
         peak = f"{max(peaks) / 2**30:>8.2f}" if peaks else f"{'-':>8}"
         print(
             f"{trainer:<18} {'yes' if te else 'no':<3} {step:>8.4f} ({fastest:.4f})"

@@ -7,12 +7,28 @@
 # Sections (default: all, in this order; each under its own timeout, so one that hangs costs only
 # its own figures): model (build the full-size SDXL architecture, random bf16 weights, on the
 # GPU), gpu (bench/bench_gpu.py), tests (the CUDA and checkpoint tests), trainer
-# (bench/bench_trainer.py --gpu against diffusers' script).
+# (bench/bench_trainer.py --gpu against diffusers' script). Not in the default list, because one
+# of its models takes a call of its own: families (issue 33: FLUX.1-dev and FLUX.2 [klein] 4B /
+# 9B architectures, random bf16 weights, 1024 px, rank 16, batch 1, lorafleet against the
+# family's diffusers script; s/step and peak GPU memory for a bf16 and an nf4 base; one
+# JSON file a run, $OUT/family-<preset>-<base>-gc<0|1>.json). FAMILY_RUNS picks the runs, each
+# family/preset/base/gc (gc: 1 for gradient checkpointing in both trainers); runs of one preset
+# share its model, built on the GPU and deleted before the next preset's (the three do not fit
+# the 64 GiB disk together). The default is the two default jobs the 22 GiB goal is about:
+#
+#   FAMILY_RUNS="flux/flux-dev/nf4/1 flux2/klein-4b/none/0" bash bench/gpu_session.sh OUT families
+#
+# and the rest, a call each: flux/flux-dev/none/1 (the FLUX.1 script has no quantized base: with
+# nf4 lorafleet runs alone), flux2/klein-4b/nf4/0, flux2/klein-9b/none/1 flux2/klein-9b/nf4/0.
+# FAMILY_STEPS (default 10) steps a run, a checkpoint at the middle one; FAMILY_TIMEOUT (default
+# 540) seconds for the whole section.
 #
 # Carried beside the tree (ignored by git, named in the call's `carry`): .whl/ the wheels the
 # image lacks or has too old (pip download --no-deps for cp312 manylinux: diffusers, transformers,
-# peft, protobuf, regex, opentelemetry api/sdk/semantic-conventions), and .gpu/ diffusers'
-# examples/dreambooth/train_dreambooth_lora_sdxl.py, the reference trainer.
+# peft, protobuf, regex, opentelemetry api/sdk/semantic-conventions; for families' nf4 runs also
+# bitsandbytes), and .gpu/ diffusers' examples/dreambooth/train_dreambooth_lora_sdxl.py, the
+# reference trainer (for families also train_dreambooth_lora_flux.py and
+# train_dreambooth_lora_flux2_klein.py, unmodified, from the same diffusers commit).
 set -uo pipefail
 out=${1:?OUT directory}
 shift
@@ -60,6 +76,41 @@ print(f'model built in {time.perf_counter() - started:.0f} s')
       timeout 260 $python bench/bench_trainer.py --gpu --model-dir $model --steps 16 \
         --checkpoint-every 8 --repeats 1 --threads 0 \
         --reference .gpu/train_dreambooth_lora_sdxl.py >"$out/bench_trainer.log" 2>&1
+      ;;
+    families)
+      # One model at a time: build it on the GPU (random initialisation of 12 B parameters on
+      # the CPU takes many minutes), run bench_trainer once per base and gc, delete it.
+      FAMILY_OUT=$out FAMILY_STEPS=${FAMILY_STEPS:-10} timeout "${FAMILY_TIMEOUT:-540}" bash -c '
+        set -u
+        built=""
+        for entry in ${FAMILY_RUNS:-flux/flux-dev/nf4/1 flux2/klein-4b/none/0}; do
+          IFS=/ read -r family preset base gc <<<"$entry"
+          model=/tmp/family-$preset
+          if [ "$built" != "$preset" ]; then
+            [ -n "$built" ] && rm -rf "/tmp/family-$built"
+            echo "== building $preset"
+            '"$python"' -c "
+import time, torch
+from lorafleet.worker.tiny_model import build_tiny_model
+started = time.perf_counter()
+with torch.device(\"cuda\"):
+    build_tiny_model(\"$model\", family=\"$family\", preset=\"$preset\", weights_dtype=\"bf16\")
+print(f\"$preset built in {time.perf_counter() - started:.0f} s\")
+" || exit 1
+            built=$preset
+          fi
+          script=.gpu/train_dreambooth_lora_flux.py
+          [ "$family" = flux2 ] && script=.gpu/train_dreambooth_lora_flux2_klein.py
+          flags=()
+          [ "$gc" = 1 ] && flags+=(--gradient-checkpointing)
+          echo "== $family $preset base $base gc $gc"
+          '"$python"' bench/bench_trainer.py --gpu --family "$family" --preset "$preset" \
+            --base-quantization "$base" --model-dir "$model" --steps "$FAMILY_STEPS" \
+            --checkpoint-every $((FAMILY_STEPS / 2)) --repeats 1 --threads 0 \
+            --reference "$script" "${flags[@]}" \
+            --json-file "$FAMILY_OUT/family-$preset-$base-gc$gc.json"
+        done
+      ' >"$out/bench_families.log" 2>&1
       ;;
     tests)
       # The root conftest needs the fleet's services (Postgres, gRPC); the trainer's tests need
