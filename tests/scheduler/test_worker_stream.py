@@ -623,6 +623,21 @@ async def test_a_resumed_job_is_granted_from_its_checkpoint_and_forgets_deleted_
     assert not (await fleet.alice.get(job.job_id)).HasField("latest_checkpoint")
 
 
+async def test_a_drained_job_shows_the_step_of_its_last_checkpoint(fleet: Fleet) -> None:
+    """Walking the README: Ctrl-C on `lorafleet up` drained a job with a checkpoint at step 240,
+    and the re-queued job showed step 191, its last heartbeat's. A checkpoint says the step its
+    holder reached."""
+    job = await fleet.alice.submit()
+    async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
+        granted = await worker.ready_for_lease()
+        await worker.heartbeat(granted.lease, 3)
+        await worker.store_checkpoint(granted.lease, 10)
+        await worker.send(draining=fpb.Draining(lease=worker.ref(granted.lease), reason="SIGINT"))
+        drained = await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_QUEUED)
+    assert drained.latest_checkpoint.step == 10
+    assert drained.progress.step == 10
+
+
 async def test_a_finished_jobs_unrecorded_objects_are_swept_from_storage(fleet: Fleet) -> None:
     """A lease that ends between an upload and its announcement leaves an object the ledger
     never recorded; retention deletes only recorded ones, so the finished job's sweep does."""

@@ -664,6 +664,9 @@ WITH live AS (
         checkpoint_bytes = CASE WHEN l.forward THEN $5 ELSE j.checkpoint_bytes END,
         checkpoint_sha256 = CASE WHEN l.forward THEN $6 ELSE j.checkpoint_sha256 END,
         checkpoint_at = CASE WHEN l.forward THEN now() ELSE j.checkpoint_at END,
+        -- A checkpoint of step N says its holder reached N: a drain's checkpoint, taken after
+        -- the last heartbeat, is otherwise never shown (a job drained at 240 showed 191).
+        progress_step = greatest(j.progress_step, $3),
         updated_at = now(),
         lease_progress_at = CASE
             WHEN j.lease_progress_step IS NULL
