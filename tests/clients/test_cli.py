@@ -78,6 +78,8 @@ async def test_cli_job_commands(
     assert code == 0 and job_id in out and "QUEUED" in out
     code, out, _ = await lorafleet(capsys, monkeypatch, fleet, "get", job_id)
     assert code == 0 and "step 0/40" in out
+    # Billed node time, named as `report` names it: a CPU worker's seconds are no GPU's.
+    assert "node time  0 s (billed)" in out and "gpu " not in out
 
     async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
         granted = await worker.ready_for_lease()

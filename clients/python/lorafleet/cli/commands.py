@@ -266,7 +266,8 @@ def describe_job(job: Job) -> str:
         f"checkpoint {job.latest_checkpoint.step if job.latest_checkpoint else '-'}",
         f"result     {job.result.key if job.result else '-'}"
         + (f"\n           {job.result.kohya.key}" if job.result and job.result.kohya else ""),
-        f"gpu        {job.gpu_seconds or 0:.0f} s",
+        # Billed node time, as `report` says it: a CPU worker's seconds are not GPU time.
+        f"node time  {job.gpu_seconds or 0:.0f} s (billed)",
         f"prompt     {job.spec.instance_prompt!r} on {job.spec.instance_data_prefix}",
         # The family the fleet trains it as (auto resolved): a user of several families sees
         # which one a job is, and which pipeline its result loads in.
