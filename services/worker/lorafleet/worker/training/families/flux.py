@@ -9,6 +9,7 @@ The constants come from `FluxPipeline` (its packing and position ids, its defaul
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,8 @@ TRANSFORMER_TARGET_MODULES = (
 )
 
 
+# Read once: a signature costs microseconds, and the loss asks for it every step.
+@functools.cache
 def pipeline_default(name: str) -> Any:
     """A `FluxPipeline.__call__` default (guidance_scale, max_sequence_length)."""
     return inspect.signature(diffusers.FluxPipeline.__call__).parameters[name].default

@@ -13,6 +13,7 @@ the pipeline's `encode_prompt`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from lorafleet.worker.training.config import Runtime, TrainingConfig
 
 
+# Read once: a signature costs microseconds, and the loss asks for it every step.
+@functools.cache
 def pipeline_default(name: str, method: str = "encode_prompt") -> Any:
     """A `Flux2KleinPipeline` default: of `encode_prompt` (text_encoder_out_layers,
     max_sequence_length) or `__call__` (guidance_scale)."""
