@@ -262,10 +262,6 @@ def leases_from_events(events: Iterable[JobEvent]) -> list[LeaseSpan]:
                 # The holder's last report, which the timeline's (rate-limited) heartbeats
                 # may not have carried.
                 draft.end_step = max(draft.end_step or 0, event.step)
-            elif kind is EventKind.LEASE_EXPIRED and event.step is not None:
-                # The holder's last report, which the timeline's (rate-limited) heartbeats
-                # may not have carried.
-                draft.end_step = max(draft.end_step or 0, event.step)
     return [d.freeze(deleted) for d in drafts]
 
 
