@@ -1,17 +1,20 @@
-"""queries.sql and ledger.py are read side by side: the same sections, with the same titles, in
-the same order, each holding the queries of its methods. A reader who finds a method under
-"Leases (the worker stream)" finds its SQL under the same title."""
+"""queries.sql and the ledger are read side by side: the same sections, with the same titles, in
+the same order, each holding the queries of its methods. `Ledger`'s bases are its sections, one
+mixin module each under `lorafleet/ledger/sections/`, in queries.sql's order: a reader who finds
+a method under "Leases (the worker stream)" finds its SQL under the same title."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
 from lorafleet.ledger import ledger as ledger_module
+from lorafleet.ledger.ledger import Ledger
 
 _SQL = Path(ledger_module.__file__).parent / "sql" / "queries.sql"
-# A section title: `# Title ----` in ledger.py, `-- Title ----` in queries.sql.
+# A section title: `# Title ----` in a section's mixin, `-- Title ----` in queries.sql.
 _PY_TITLE = re.compile(r"^    # (?P<title>[^-].*?) -{3,}$")
 _SQL_TITLE = re.compile(r"^-- (?P<title>[^-].*?) -{3,}$")
 _SQL_NAME = re.compile(r"^-- name: (?P<name>\w+)\s*$")
@@ -29,25 +32,32 @@ def sql_sections() -> list[tuple[str, list[str]]]:
 
 
 def ledger_sections() -> list[tuple[str, list[str]]]:
-    """Each titled section of the Ledger class with the queries its methods run, in order."""
-    source = Path(ledger_module.__file__).read_text()
-    lines = source.splitlines()
-    titles = [(i + 1, m["title"]) for i, line in enumerate(lines) if (m := _PY_TITLE.match(line))]
-    tree = ast.parse(source)
-    ledger = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Ledger")
-    sections: list[tuple[str, list[str]]] = [(title, []) for _, title in titles]
-    for method in ledger.body:
-        if not isinstance(method, ast.AsyncFunctionDef | ast.FunctionDef):
-            continue
-        before = [i for i, (at, _) in enumerate(titles) if at < method.lineno]
-        for node in ast.walk(method):
-            name = _query_name(node)
-            if name is None:
+    """Each titled section of the Ledger (its bases, in order) with the queries its methods run."""
+    sections: list[tuple[str, list[str]]] = []
+    for base in Ledger.__bases__:
+        source = Path(inspect.getfile(base)).read_text()
+        lines = source.splitlines()
+        titles = [
+            (i + 1, m["title"]) for i, line in enumerate(lines) if (m := _PY_TITLE.match(line))
+        ]
+        assert len(titles) == 1, f"{base.__name__} holds {len(titles)} sections, not one"
+        (at, title), queries = titles[0], []
+        mixin = next(
+            n
+            for n in ast.parse(source).body
+            if isinstance(n, ast.ClassDef) and n.name == base.__name__
+        )
+        for method in mixin.body:
+            if not isinstance(method, ast.AsyncFunctionDef | ast.FunctionDef):
                 continue
-            assert before, f"{method.name} runs {name} before the first section title"
-            queries = sections[before[-1]][1]
-            if name not in queries:
-                queries.append(name)
+            for node in ast.walk(method):
+                name = _query_name(node)
+                if name is None:
+                    continue
+                assert at < method.lineno, f"{method.name} runs {name} before its section title"
+                if name not in queries:
+                    queries.append(name)
+        sections.append((title, queries))
     return sections
 
 
@@ -82,4 +92,4 @@ def test_each_query_sits_in_the_section_of_the_method_that_runs_it() -> None:
         for name, title in in_py.items()
         if in_sql.get(name) != title
     }
-    assert not misplaced, "query: (its section in queries.sql, its method's in ledger.py)"
+    assert not misplaced, "query: (its section in queries.sql, its method's in the Ledger)"

@@ -1,6 +1,7 @@
 -- Every query the scheduler runs. Each starts with `-- name: <method>`; the Ledger class has
--- one method per query, and titled sections (`-- Title ---`) group them as ledger.py's Ledger
--- does, with the same titles in the same order (tests/scheduler/test_ledger_sections.py).
+-- one method per query, and titled sections (`-- Title ---`) group them as the Ledger's bases
+-- do (one mixin per section, `lorafleet/ledger/sections/`), with the same titles in the same
+-- order (tests/scheduler/test_ledger_sections.py).
 -- Worker-facing writes are fenced: they only touch the job while (lease_id, epoch) is still
 -- its live lease.
 
