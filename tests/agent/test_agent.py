@@ -20,6 +20,7 @@ import pytest
 import safetensors.torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from lorafleet.core.identity import local_identity_token
 from lorafleet.core.model import RESULT_FILE_NAMES, class_image_key, upload_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
@@ -409,10 +410,14 @@ async def test_unusable_images_fail_the_job_as_input_naming_each_file(
     await store.put_bytes(upload_key(OWNER, "mixed", "good.png"), png(1))
     await store.put_bytes(upload_key(OWNER, "mixed", "small.png"), png(2, size=16))
     await store.put_bytes(upload_key(OWNER, "mixed", "notes.png"), b"this is not an image")
-    # Two machines: one machine's input fault only bans it (a second must confirm it).
-    first = Agent(fleet.worker_config("m1"), qualification=cpu_qualification)
-    second = Agent(fleet.worker_config("m2"), qualification=cpu_qualification)
-    async with running(first), running(second):
+    # A machine the operator runs: its input fault fails the job at once (a stranger's must be
+    # confirmed by a second machine whose standing predates the job: test_worker_stream.py).
+    config = fleet.worker_config(
+        "local-0",
+        provider_identity="local",
+        identity_token=local_identity_token(fleet.scheduler.identity_secret, "local-0"),
+    )
+    async with running(Agent(config, qualification=cpu_qualification)):
         job = await fleet.client.submit(instance_data_prefix="mixed")
         failed = await fleet.client.wait_state(job.job_id, pb.JOB_STATE_FAILED)
     assert failed.failure_class == pb.FAILURE_CLASS_INPUT and failed.failures == 0

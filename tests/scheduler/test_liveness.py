@@ -53,6 +53,12 @@ SILENCE_S = 3.0
 LONG_JOB = dict(max_train_steps=50_000, checkpointing_steps=25_000)
 
 
+async def training(client: JobClient, job_id: str) -> None:
+    """Until the job's holder reports a step: its inputs are downloaded (from the replica's own
+    local store, which the faults below take away with the replica) and it trains."""
+    await client.wait_for(job_id, lambda job: job.progress.step > 0, timeout=60)
+
+
 def worker_config(machine_id: str, address: str, data_dir: Path, **overrides: Any) -> WorkerConfig:
     values: dict[str, Any] = dict(
         worker_token=TOKEN,
@@ -156,6 +162,8 @@ async def test_a_frozen_replica_is_left_within_the_bound_and_no_lease_expires(
             async with asyncio.timeout(60):
                 for agent in agents:
                     await agent.wait_for_state(State.LEASED)
+            for job in jobs:
+                await training(client, job.job_id)
             leases = {agent.runner.ref.lease_id for agent in agents if agent.runner}
             assert len(leases) == 2
 
@@ -245,8 +253,9 @@ async def test_a_restart_longer_than_the_silence_it_may_lapse_in_keeps_the_lease
             async with grpc.aio.insecure_channel(f"127.0.0.1:{first.port}") as channel:
                 client = JobClient(pbgrpc.JobServiceStub(channel), key)
                 job = await client.submit(**LONG_JOB)
-            async with asyncio.timeout(60):
-                await agent.wait_for_state(State.LEASED)
+                async with asyncio.timeout(60):
+                    await agent.wait_for_state(State.LEASED)
+                await training(client, job.job_id)
             _, lease_id, epoch = await lease_of(database_url, job.job_id)
             balancer.retarget([])  # the worker cannot get through until the test says so
             first.proc.kill()
@@ -362,6 +371,7 @@ async def test_a_rolling_restart_is_a_routine_reconnect(
             job = await client.submit(**LONG_JOB)
             async with asyncio.timeout(60):
                 await agent.wait_for_state(State.LEASED)
+            await training(client, job.job_id)
             assert agent.runner is not None
             lease_id = agent.runner.ref.lease_id
             a.proc.terminate()
@@ -448,6 +458,7 @@ async def test_a_replica_cut_off_from_postgres_loses_its_workers_not_their_lease
             job = await client.submit(**LONG_JOB)
             async with asyncio.timeout(60):
                 await agent.wait_for_state(State.LEASED)
+            await training(client, job.job_id)
             _, lease_id, epoch = await lease_of(database_url, job.job_id)
             gate.down()
             async with asyncio.timeout(TTL_S):
