@@ -196,6 +196,35 @@ def load_vae(config: TrainingConfig, frozen: torch.dtype, vae_class: Any) -> Any
     )
 
 
+def load_denoiser(
+    config: TrainingConfig, runtime: Runtime, model_class: Any, subfolder: str
+) -> Any:
+    """The family's frozen UNet or transformer in the frozen dtype, quantized as the job asks."""
+    ref = config.model_ref
+    return weights(
+        lambda: model_class.from_pretrained(
+            ref,
+            subfolder=subfolder,
+            torch_dtype=runtime.frozen_dtype,
+            **quantization_config(config.spec, runtime),
+            **SAFE,
+            **load_kwargs(config),
+        ),
+        ref,
+        subfolder,
+    )
+
+
+def load_schedulers(config: TrainingConfig, scheduler_class: Any) -> tuple[Any, dict[str, Any]]:
+    """The training noise scheduler (`scheduler_class` over the model's scheduler config) and
+    that config as the model ships it, for the inference schedulers of class and validation
+    images."""
+    ref, common = config.model_ref, load_kwargs(config)
+    noise_scheduler = scheduler_class.from_pretrained(ref, subfolder="scheduler", **common)
+    sampler_config = dict(scheduler_class.load_config(ref, subfolder="scheduler", **common))
+    return noise_scheduler, sampler_config
+
+
 def quantization_config(spec: JobSpec, runtime: Runtime) -> dict[str, Any]:
     """`from_pretrained` arguments that load the frozen denoiser quantized: bitsandbytes NF4
     with double quantization (the QLoRA recipe) or torchao float8 weights; none otherwise.

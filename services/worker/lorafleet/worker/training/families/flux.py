@@ -19,9 +19,10 @@ import torch
 from lorafleet.worker.training.base_model import (
     SAFE,
     diffusers,
+    load_denoiser,
     load_kwargs,
+    load_schedulers,
     load_vae,
-    quantization_config,
     raise_if_missing_repo,
     transformers,
     weights,
@@ -98,22 +99,13 @@ class Flux(FlowMatching):
             ref,
             "text_encoder_2",
         )
-        transformer = weights(
-            lambda: diffusers.FluxTransformer2DModel.from_pretrained(
-                ref,
-                subfolder="transformer",
-                torch_dtype=frozen,
-                **quantization_config(config.spec, runtime),
-                **SAFE,
-                **common,
-            ),
-            ref,
-            "transformer",
+        transformer = load_denoiser(
+            config, runtime, diffusers.FluxTransformer2DModel, "transformer"
         )
         vae = load_vae(config, frozen, diffusers.AutoencoderKL)
-        scheduler_class = diffusers.FlowMatchEulerDiscreteScheduler
-        noise_scheduler = scheduler_class.from_pretrained(ref, subfolder="scheduler", **common)
-        sampler_config = dict(scheduler_class.load_config(ref, subfolder="scheduler", **common))
+        noise_scheduler, sampler_config = load_schedulers(
+            config, diffusers.FlowMatchEulerDiscreteScheduler
+        )
         return Components(
             family=self,
             denoiser=transformer,

@@ -23,9 +23,10 @@ import torch
 from lorafleet.worker.training.base_model import (
     SAFE,
     diffusers,
+    load_denoiser,
     load_kwargs,
+    load_schedulers,
     load_vae,
-    quantization_config,
     raise_if_missing_repo,
     transformers,
     weights,
@@ -71,24 +72,15 @@ class Flux2(FlowMatching):
             ref,
             "text_encoder",
         )
-        transformer = weights(
-            lambda: diffusers.Flux2Transformer2DModel.from_pretrained(
-                ref,
-                subfolder="transformer",
-                torch_dtype=frozen,
-                **quantization_config(config.spec, runtime),
-                **SAFE,
-                **common,
-            ),
-            ref,
-            "transformer",
+        transformer = load_denoiser(
+            config, runtime, diffusers.Flux2Transformer2DModel, "transformer"
         )
         # The batch-norm statistics below are fp32 reads of the VAE: it stays fp32 unless the
         # mixed precision asks otherwise (FLUX.2's VAE is stable in bf16).
         vae = load_vae(config, frozen, diffusers.AutoencoderKLFlux2)
-        scheduler_class = diffusers.FlowMatchEulerDiscreteScheduler
-        noise_scheduler = scheduler_class.from_pretrained(ref, subfolder="scheduler", **common)
-        sampler_config = dict(scheduler_class.load_config(ref, subfolder="scheduler", **common))
+        noise_scheduler, sampler_config = load_schedulers(
+            config, diffusers.FlowMatchEulerDiscreteScheduler
+        )
         return Components(
             family=self,
             denoiser=transformer,

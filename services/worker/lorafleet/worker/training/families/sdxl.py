@@ -18,9 +18,10 @@ import torch
 from lorafleet.worker.training.base_model import (
     SAFE,
     diffusers,
+    load_denoiser,
     load_kwargs,
+    load_schedulers,
     load_vae,
-    quantization_config,
     raise_if_missing_repo,
     transformers,
     weights,
@@ -79,25 +80,9 @@ class Sdxl(Family):
             ref,
             "text_encoder_2",
         )
-        unet = weights(
-            lambda: diffusers.UNet2DConditionModel.from_pretrained(
-                ref,
-                subfolder="unet",
-                torch_dtype=frozen,
-                **quantization_config(config.spec, runtime),
-                **SAFE,
-                **common,
-            ),
-            ref,
-            "unet",
-        )
+        unet = load_denoiser(config, runtime, diffusers.UNet2DConditionModel, "unet")
         vae = load_vae(config, frozen, diffusers.AutoencoderKL)
-        noise_scheduler = diffusers.DDPMScheduler.from_pretrained(
-            ref, subfolder="scheduler", **common
-        )
-        sampler_config = dict(
-            diffusers.DDPMScheduler.load_config(ref, subfolder="scheduler", **common)
-        )
+        noise_scheduler, sampler_config = load_schedulers(config, diffusers.DDPMScheduler)
         return Components(
             family=self,
             denoiser=unet,
