@@ -93,3 +93,26 @@ def test_each_query_sits_in_the_section_of_the_method_that_runs_it() -> None:
         if in_sql.get(name) != title
     }
     assert not misplaced, "query: (its section in queries.sql, its method's in the Ledger)"
+
+
+# A query with this many positional parameters or more says what each one is.
+_MANY_PARAMETERS = 4
+
+
+def test_each_parameter_of_a_query_with_many_is_named_in_its_comment() -> None:
+    """asyncpg binds `$1..$n` by position: with four or more, the query's comment names each
+    (`$3 the result key`), so that a reader checks a call's arguments against it without
+    counting."""
+    unnamed = {}
+    blocks = re.split(r"^-- name: (\w+)\n", _SQL.read_text(), flags=re.M)
+    for name, body in zip(blocks[1::2], blocks[2::2], strict=True):
+        lines = body.split("\n\n")[0].splitlines()
+        comment = "\n".join(line for line in lines if line.startswith("--"))
+        sql = "\n".join(line.split("--")[0] for line in lines if not line.startswith("--"))
+        parameters = {int(n) for n in re.findall(r"\$(\d+)", sql)}
+        if len(parameters) < _MANY_PARAMETERS:
+            continue
+        named = {int(n) for n in re.findall(r"\$(\d+)\b", comment)}
+        if missing := sorted(parameters - named):
+            unnamed[name] = missing
+    assert not unnamed, f"parameters no comment names: {unnamed}"

@@ -8,6 +8,8 @@
 -- API keys ---------------------------------------------------------------------------------------
 
 -- name: insert_api_key
+-- $1 key id, $2 owner, $3 the secret's sha256, $4 webhook URL (NULL: none), $5 the webhook's
+-- event kinds, $6 spend limit in dollars (NULL: none).
 INSERT INTO api_keys (key_id, owner, secret_sha256, webhook_url, webhook_events,
                       spend_limit_dollars)
 VALUES ($1, $2, $3, $4, $5, $6)
@@ -105,7 +107,9 @@ FROM per_machine;
 -- Jobs -------------------------------------------------------------------------------------------
 
 -- name: insert_jobs
--- $1 owner; then one array per column, one element per job; $11 the submitting API key; $12,
+-- $1 owner; then one array per column, one element per job: $2 job ids, $3 idempotency keys
+-- ('' none), $4 specs, $5 priorities, $6 memory needs, $7 max_failures, $8 max_train_steps,
+-- $9 labels, $10 traceparents ('' none); $11 the submitting API key; $12,
 -- $13 and $14 the spec's warm keys (JobSpec.resident_key, compiled_shape_key,
 -- adapter_shape_key); $15 its family, $16 its shape key (JobSpec.family, shape.key). $6 is the
 -- job's memory need (core/fit.py), not only the spec's min_vram_mb. Rows whose
@@ -144,6 +148,9 @@ WHERE ((resident_key IS NULL OR adapter_shape_key IS NULL) AND state IN ('QUEUED
 LIMIT $1;
 
 -- name: set_warm_keys
+-- Fills the warm keys of jobs submitted before a column existed: one array per column, one
+-- element per job: $1 job ids, $2 resident keys, $3 compiled shape keys, $4 adapter shape keys,
+-- $5 shape keys.
 UPDATE jobs j SET resident_key = k.resident_key, compiled_shape_key = k.compiled_shape_key,
                   adapter_shape_key = k.adapter_shape_key, shape_key = k.shape_key
 FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[])
@@ -184,7 +191,9 @@ FROM jobs j WHERE j.job_id = $1 AND j.owner = $2;
 SELECT * FROM jobs WHERE job_id = $1;
 
 -- name: list_jobs
--- Keyset pagination on (created_at, job_id), newest first. $3: '{}' matches every job.
+-- $1 owner, $2 states (empty: all), $3 labels the job must carry ('{}' matches every job),
+-- $4 and $5 the (created_at, job_id) of the last job of the previous page (NULL: the first
+-- page: keyset pagination, newest first), $6 page size.
 SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds,
     -- As get_job's.
     CASE WHEN j.state = 'QUEUED' THEN (
@@ -338,7 +347,8 @@ SELECT * FROM granted;
 
 -- name: resume_lease
 -- A worker reconnected holding ($1 lease, $2 epoch) on machine $3 and presenting the lease's
--- secret (its sha256 is $5): keep the lease if it is still live and the secret matches.
+-- secret (its sha256 is $5): keep the lease if it is still live and the secret matches, for
+-- $4 s more.
 WITH resumed AS (
     UPDATE jobs SET lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
     WHERE lease_id = $1 AND epoch = $2 AND machine_id = $3 AND state = 'RUNNING'
@@ -719,7 +729,7 @@ WHERE job_id = $1 AND epoch < $2
 ORDER BY image_index, epoch DESC;
 
 -- name: succeed_job
--- $1 lease, $2 epoch, $3 result key, $4 bytes, $5 sha256, $6 step, $7 loss; $8-$10 the kohya
+-- $1 lease, $2 epoch, $3 result key, $4 bytes, $5 sha256, $6 step, $7 loss; $8, $9, $10 the kohya
 -- file's key, bytes and sha256 beside it (output_format both), else NULL.
 WITH target AS (
     SELECT job_id, lease_id, machine_id, epoch FROM jobs
@@ -830,6 +840,8 @@ SELECT job_id, 'CHECKPOINT_DELETED', epoch, step, key FROM marked;
 -- Machines and replicas --------------------------------------------------------------------------
 
 -- name: upsert_machine
+-- $1 machine id, $2 provider instance id, $3 GPU model, $4 GPU memory in MB, $5 qualified,
+-- $6 the qualification's figures, $7 worker version.
 INSERT INTO machines (machine_id, provider_instance_id, gpu_model, vram_mb, qualified,
                       qualification, version)
 VALUES ($1, $2, $3, $4, $5, $6, $7)
