@@ -465,7 +465,7 @@ def test_files_by_suffix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 def test_the_legend_shows_what_is_drawn_as_it_is_drawn() -> None:
     """The legend listed heartbeats in the running colour and marks the picture did
     not have; it now lists only what is drawn, in the drawing's colours."""
-    from lorafleet.cli import timeline as tl
+    from lorafleet.cli.timeline import layout as tl
 
     events = (
         Events()
@@ -479,10 +479,10 @@ def test_the_legend_shows_what_is_drawn_as_it_is_drawn() -> None:
     labels = [s.text for s in shapes if isinstance(s, tl.Text)]
     assert labels == ["lease succeeded", "heartbeats", "job queued", "job running"]
     fills = [s.fill for s in shapes if isinstance(s, tl.Rect)]
-    succeeded = tl.OUTCOME_COLORS[tl.LeaseOutcome.SUCCEEDED]
+    succeeded = tl.OUTCOME_COLORS[LeaseOutcome.SUCCEEDED]
     # The heartbeat swatch is the lease it was drawn on, not the running colour.
     assert fills == [succeeded, succeeded, tl._QUEUED, tl._RUNNING_STRIP]
-    assert tl.OUTCOME_COLORS[tl.LeaseOutcome.RUNNING] not in fills
+    assert tl.OUTCOME_COLORS[LeaseOutcome.RUNNING] not in fills
 
 
 def test_sample_tasks_get_lanes_of_their_own() -> None:
