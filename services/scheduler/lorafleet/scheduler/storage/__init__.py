@@ -18,10 +18,10 @@ from lorafleet.scheduler.storage.base import (
     validate_key,
     validate_prefix,
 )
-from lorafleet.scheduler.storage.local import (
+from lorafleet.scheduler.storage.local import LocalObjectStore
+from lorafleet.scheduler.storage.local_server import LocalObjectServer
+from lorafleet.scheduler.storage.local_urls import (
     LeaseIsLive,
-    LocalObjectServer,
-    LocalObjectStore,
     LocalStoreConfig,
     always_live,
     url_signature,
