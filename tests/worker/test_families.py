@@ -194,12 +194,19 @@ def _denoiser_output(family: str, denoiser: Any) -> Any:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["flux", "flux2"])
+@pytest.mark.parametrize(
+    ("family", "train_text_encoder"), [("flux", False), ("flux", True), ("flux2", False)]
+)
 def test_a_run_interrupted_three_times_trains_the_same_bits(
-    family: str, models: dict[str, Path]
+    family: str, train_text_encoder: bool, models: dict[str, Path]
 ) -> None:
     model = models[family]
-    settings = {"max_train_steps": 6, "train_batch_size": 2, "weighting_scheme": "logit_normal"}
+    settings = {
+        "max_train_steps": 6,
+        "train_batch_size": 2,
+        "weighting_scheme": "logit_normal",
+        "train_text_encoder": train_text_encoder,
+    }
     images = instance_images(3)
     full, _ = run(model, family_spec(family, model, **settings), images)
     resume: TrainingSnapshot | None = None
@@ -265,6 +272,33 @@ def test_a_non_finite_loss_never_becomes_a_checkpoint(
         )
     assert stopped.value.failure_class is FailureClass.NODE
     assert [s.step for s in recorder.snapshots] == [2]
+
+
+def test_flux_encodes_each_prompt_with_t5_once_while_clip_trains(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """T5-XXL is never trained: with `train_text_encoder` its embeddings are computed once per
+    run for every prompt, and each step runs only CLIP (whose adapters get gradients)."""
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    calls = {"t5": 0, "clip": 0}
+    for name, cls in (("t5", T5EncoderModel), ("clip", CLIPTextModel)):
+
+        def counted(self: Any, *args: Any, _f: Any = cls.forward, _n: str = name, **kw: Any) -> Any:
+            calls[_n] += 1
+            return _f(self, *args, **kw)
+
+        monkeypatch.setattr(cls, "forward", counted)
+    model = models["flux"]
+    outcome, _ = run(
+        model,
+        family_spec("flux", model, max_train_steps=3, train_text_encoder=True),
+    )
+    assert isinstance(outcome, Finished)
+    assert calls == {"t5": 1, "clip": 3}
+    tensors = safetensors.torch.load(outcome.lora_weights)
+    assert any(k.startswith("text_encoder.") for k in tensors)
+    assert not any(k.startswith("text_encoder_2.") for k in tensors)
 
 
 def test_a_model_of_another_family_fails_as_the_jobs_input_naming_base_model(

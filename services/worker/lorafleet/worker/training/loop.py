@@ -447,22 +447,24 @@ class _Run:
                     _enable_activation_checkpointing(self.trained[name])
 
     def precompute_conditioning(self) -> None:
-        """Frozen encoders: embed every distinct prompt once (then a family whose encoders are
-        large sends them to host memory until the next run needs them). Trained encoders:
-        tokenize once."""
+        """Embed every distinct prompt once with the encoders that are not trained (all of them
+        unless `train_text_encoder`; then a family whose encoders are large sends the frozen
+        ones to host memory until the next run needs them). Trained encoders: tokenize once,
+        encode each step."""
         components = self.components
         ids = self.family.tokenize(components, self.data.prompts, self.spec)
-        device = self.runtime.device
         self.token_ids: tuple[torch.Tensor, ...] | None = None
         self.prompt_embeds: tuple[torch.Tensor, ...] | None = None
-        if self.spec.train_text_encoder:
-            self.token_ids = tuple(t.to(device) for t in ids)
-            return
         with torch.no_grad():
-            self.prompt_embeds = self.family.encode(components, ids)
+            self.frozen_embeds = self.family.encode_frozen(components, ids)
+            if not self.spec.train_text_encoder:
+                self.prompt_embeds = self.family.encode(components, ids, self.frozen_embeds)
+        if self.spec.train_text_encoder:
+            self.token_ids = tuple(t.to(self.runtime.device) for t in ids)
         if self.runtime.is_cuda and not self.family.encoders_stay_on_device:
-            for encoder in components.text_encoders.values():
-                encoder.to("cpu")
+            for name, encoder in components.text_encoders.items():
+                if name not in self.trained:
+                    encoder.to("cpu")
 
     def precompute_latents(self) -> None:
         """Encode every image once when each has a single possible crop and no flip."""
@@ -627,10 +629,11 @@ class _Run:
         latents: torch.Tensor,
         draws: tuple[torch.Tensor, ...],
         token_ids: tuple[torch.Tensor, ...],
+        frozen: tuple[torch.Tensor, ...],
         rows: torch.Tensor,
     ) -> torch.Tensor:
         with self.autocast():
-            embeddings = self.family.encode(self.components, token_ids)
+            embeddings = self.family.encode(self.components, token_ids, frozen)
         return self._forward_loss(latents, draws, embeddings, rows)
 
     def _forward_loss(
@@ -669,12 +672,11 @@ class _Run:
             moments = self.encode_moments(examples)
         return self.family.latents(moments, self.noise_generator, self.components)
 
-    def conditioning_inputs(
-        self, examples: list[Example]
-    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """What `_forward_loss` conditions on, and the row of it for each example: the cached
-        (prompt embeddings, pooled embeddings) with frozen encoders; with trained ones the token
-        ids of each distinct prompt of the batch, encoded once (picked on the host: no sync)."""
+    def conditioning_inputs(self, examples: list[Example]) -> tuple[Any, ...]:
+        """`forward_loss`'s arguments after the draws: with frozen encoders the cached
+        conditioning and the row of it for each example; with trained ones the token ids and
+        frozen encoders' rows of each distinct prompt of the batch (encoded once), and the row
+        of those for each example (picked on the host: no sync)."""
         rows = [self.data.prompt_of[s.image] for s in examples]
         if self.prompt_embeds is not None:
             return self.prompt_embeds, self.indices(rows)
@@ -682,7 +684,8 @@ class _Run:
         distinct = sorted(set(rows))
         picked = self.indices(distinct)
         ids = tuple(t[picked] for t in self.token_ids)
-        return ids, self.indices([distinct.index(r) for r in rows])
+        frozen = tuple(e.index_select(0, picked) for e in self.frozen_embeds)
+        return ids, frozen, self.indices([distinct.index(r) for r in rows])
 
     def indices(self, values: list[int]) -> torch.Tensor:
         """A step's few indices as a device tensor, without a host sync: from a GPU's view,

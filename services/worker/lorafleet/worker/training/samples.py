@@ -109,6 +109,32 @@ def _images(
     out: list[tuple[int, int, bytes]] = []
     for module in components.modules.values():
         module.eval()
+    # Validation images mid-run: a family's frozen encoders may wait in host memory (loop.py's
+    # precompute); the pipeline runs every module on one device. They go back afterwards.
+    parked = {
+        name: encoder.device
+        for name, encoder in components.text_encoders.items()
+        if encoder.device != runtime.device
+    }
+    for name in parked:
+        components.text_encoders[name].to(runtime.device)
+    try:
+        _each_image(pipeline, arguments, runtime, settings, should_stop, on_image, out)
+    finally:
+        for name, device in parked.items():
+            components.text_encoders[name].to(device)
+    return out
+
+
+def _each_image(
+    pipeline: Any,
+    arguments: dict[str, Any],
+    runtime: Runtime,
+    settings: SampleSettings,
+    should_stop: Callable[[], bool],
+    on_image: Callable[[int, int, bytes], None] | None,
+    out: list[tuple[int, int, bytes]],
+) -> None:
     devices = [runtime.device.index or 0] if runtime.is_cuda else []
     with torch.random.fork_rng(devices=devices, device_type=runtime.device.type):
         for prompt_index, prompt in enumerate(settings.prompts):
@@ -129,7 +155,6 @@ def _images(
                 out.append((prompt_index, image_index, data))
                 if on_image is not None:
                     on_image(prompt_index, image_index, data)
-    return out
 
 
 def _set_weights(

@@ -101,11 +101,24 @@ class Family:
     ) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
-    def encode(
+    def encode_frozen(
         self, components: Components, tokens: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
-        """The conditioning tensors of each prompt (one row per prompt in each); gradients flow
-        into encoders that carry adapters."""
+        """What the encoders outside `trainable_encoders` make of each prompt (one row per
+        prompt). They never change, so a run computes this once per prompt, without gradients,
+        and feeds the rows to `encode` each step even while `train_text_encoder` trains the
+        others (FLUX.1's T5-XXL: most of the prompt's cost)."""
+        return ()
+
+    def encode(
+        self,
+        components: Components,
+        tokens: Sequence[torch.Tensor],
+        frozen: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """The conditioning tensors of each prompt (one row per prompt in each), from the token
+        ids and `encode_frozen`'s rows of the same prompts (computed here when None); gradients
+        flow into encoders that carry adapters."""
         raise NotImplementedError
 
     # The objective -------------------------------------------------------------------------------

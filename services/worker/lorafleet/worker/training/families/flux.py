@@ -138,15 +138,24 @@ class Flux(FlowMatching):
             )
         return tuple(out)
 
-    def encode(
+    def encode_frozen(
         self, components: Components, tokens: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
-        """T5's last hidden states (the token embeddings) and CLIP's pooled output, as
-        `FluxPipeline.encode_prompt` computes them."""
-        clip, t5 = components.text_encoders.values()
-        clip_ids, t5_ids = tokens
-        pooled = clip(clip_ids.to(clip.device), output_hidden_states=False).pooler_output
-        prompt_embeds = t5(t5_ids.to(t5.device))[0]
+        """T5's last hidden states (the token embeddings): T5 is never trained."""
+        t5 = components.text_encoders["text_encoder_2"]
+        return (t5(tokens[1].to(t5.device))[0],)
+
+    def encode(
+        self,
+        components: Components,
+        tokens: Sequence[torch.Tensor],
+        frozen: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """T5's token embeddings and CLIP's pooled output, as `FluxPipeline.encode_prompt`
+        computes them."""
+        (prompt_embeds,) = frozen if frozen is not None else self.encode_frozen(components, tokens)
+        clip = components.text_encoders["text_encoder"]
+        pooled = clip(tokens[0].to(clip.device), output_hidden_states=False).pooler_output
         return prompt_embeds, pooled
 
     def latents(

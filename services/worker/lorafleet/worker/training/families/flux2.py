@@ -129,7 +129,7 @@ class Flux2(FlowMatching):
         )
         return batch["input_ids"], batch["attention_mask"]
 
-    def encode(
+    def encode_frozen(
         self, components: Components, tokens: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
         """The chosen hidden layers side by side per token (the pipeline's layers)."""
@@ -146,6 +146,15 @@ class Flux2(FlowMatching):
         batch, count, length, width = stacked.shape
         embeds: torch.Tensor = stacked.permute(0, 2, 1, 3).reshape(batch, length, count * width)
         return (embeds,)
+
+    def encode(
+        self,
+        components: Components,
+        tokens: Sequence[torch.Tensor],
+        frozen: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """The Qwen3 encoder is never trained: the prompt embedding is `encode_frozen`'s."""
+        return tuple(frozen) if frozen is not None else self.encode_frozen(components, tokens)
 
     def latents(
         self, moments: torch.Tensor, generator: torch.Generator, components: Components

@@ -113,10 +113,13 @@ class Sdxl(Family):
         )
 
     def encode(
-        self, components: Components, tokens: Sequence[torch.Tensor]
+        self,
+        components: Components,
+        tokens: Sequence[torch.Tensor],
+        frozen: Sequence[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Penultimate hidden states of both encoders side by side, and the second encoder's
-        projected pooled output."""
+        projected pooled output. Both encoders are trainable: nothing is `encode_frozen`'s."""
         hidden = []
         pooled = None
         for encoder, token_ids in zip(components.text_encoders.values(), tokens, strict=True):
