@@ -229,3 +229,23 @@ async def test_a_sample_task_goes_to_a_worker_serving_its_jobs_family(fleet: Fle
             "flux-node", 81_920, 30, secret_sha256=secret, families=["flux"]
         )
     assert task is not None and task.job_id == job.job_id and task.step == 10
+
+
+@pytest.mark.parametrize(
+    "scheduler_overrides", [{"fleet_accelerator": "cpu", "fleet_max_vram_mb": 24_576}]
+)
+async def test_a_cpu_fleet_refuses_a_quantized_base_at_submit(fleet: Fleet) -> None:
+    """`lorafleet up` without a GPU: its workers could only refuse nf4 once a node was spent on
+    the job, so submit refuses it; and a job too big for the fleet is never told to quantize."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await fleet.alice.submit(**FLUX_QLORA)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    details = err.value.details() or ""
+    assert details.startswith("spec.base_quantization:"), details
+    assert "CUDA" in details and "LORAFLEET_FLEET_ACCELERATOR" in details, details
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await fleet.alice.submit(base_model=FLUX_DEV, mixed_precision=pb.MIXED_PRECISION_BF16)
+    details = err.value.details() or ""
+    # FLUX.1-dev does not fit 24 GiB unquantized whatever else changes: a smaller variant.
+    assert details.startswith("spec.base_model:"), details
+    assert "nf4" not in details and "smaller variant" in details, details

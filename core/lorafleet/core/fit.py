@@ -9,7 +9,10 @@ least that much (Hello.vram_mb): the scheduler never grants a job that cannot fi
 A job that no node of the fleet can hold is refused at submit (`check_fits_fleet`), judged
 from the largest node class the operator runs (`fleet_max_vram_mb`, the scheduler's
 LORAFLEET_FLEET_MAX_VRAM_MB), not from the nodes connected now: a fleet scaled to zero has
-none to ask. The refusal names the field whose change would make the job fit.
+none to ask. The refusal names the field whose change would make the job fit. A fleet whose
+nodes are CPUs (`lorafleet up` on a machine without a GPU, or the scheduler's
+LORAFLEET_FLEET_ACCELERATOR cpu) refuses a quantized base at submit: a worker could only refuse
+it after a node was spent on it.
 """
 
 from __future__ import annotations
@@ -69,9 +72,19 @@ def _word(value: Any) -> str:
     return str(value)
 
 
-def check_fits_fleet(spec: JobSpec, fleet_max_vram_mb: int, *, prefix: str = "spec") -> None:
+def check_fits_fleet(
+    spec: JobSpec, fleet_max_vram_mb: int, *, cpu_only: bool = False, prefix: str = "spec"
+) -> None:
     """Raises InvalidArgument, naming the field that would fix it, when the job's memory need
-    exceeds the largest node the fleet runs (`fleet_max_vram_mb`; 0: no check)."""
+    exceeds the largest node the fleet runs (`fleet_max_vram_mb`; 0: no check), or when it
+    quantizes its base and the fleet's nodes are CPUs (`cpu_only`)."""
+    if cpu_only and spec.base_quantization != "none":
+        raise InvalidArgument(
+            f"{prefix}.base_quantization",
+            f"{spec.base_quantization} quantizes the frozen base on a CUDA GPU (bitsandbytes,"
+            " torchao) and this fleet's nodes are CPUs (the scheduler's"
+            " LORAFLEET_FLEET_ACCELERATOR cpu): use none",
+        )
     if fleet_max_vram_mb <= 0:
         return
     need = vram_need_mb(spec)
@@ -88,7 +101,11 @@ def check_fits_fleet(spec: JobSpec, fleet_max_vram_mb: int, *, prefix: str = "sp
         )
     args = _estimate_args(spec)
     # The levers not already at the value they would be changed to.
-    levers = [(field, arg, value) for field, arg, value in _LEVERS if args[arg] != value]
+    levers = [
+        (field, arg, value)
+        for field, arg, value in _LEVERS
+        if args[arg] != value and not (cpu_only and field == "base_quantization")
+    ]
     current = dict.fromkeys(f"{field} {_word(args[arg])}" for field, arg, _ in levers)
     said = f"needs ~{_gib(need)} (estimated) with {', '.join(current)}; {largest}"
 

@@ -123,6 +123,10 @@ async def local_fleet(
         fleet_max_vram_mb=None
         if "LORAFLEET_FLEET_MAX_VRAM_MB" in os.environ
         else local_node_memory_mb(gpus),
+        # Without a GPU the local workers are CPU workers (a LORAFLEET_FLEET_ACCELERATOR set wins).
+        fleet_accelerator=None
+        if "LORAFLEET_FLEET_ACCELERATOR" in os.environ
+        else ("cuda" if gpus else "cpu"),
     )
     async with Scheduler(config) as scheduler:
         api_key = await ensure_local_api_key(scheduler.ledger, data_dir)

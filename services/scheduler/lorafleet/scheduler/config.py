@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, AliasChoices, Field, model_validator
 
@@ -293,6 +293,12 @@ class SchedulerConfig(ServiceSettings):
         " exceeds it is refused at submit, naming the field that would make it fit (judged from"
         " this, not the nodes connected: a fleet scaled to zero has none). Default: the 24 GB"
         " RTX 3090/4090 class; 0: no check (jobs no node can hold wait in the queue)",
+    )
+    fleet_accelerator: Literal["cuda", "cpu"] = Field(
+        "cuda",
+        description="what the fleet's nodes train on: cuda (GPU nodes), or cpu (`lorafleet up` on"
+        " a machine without a GPU sets it): a CPU fleet refuses a quantized base"
+        " (base_quantization nf4 or fp8) at submit, naming the field",
     )
     price_per_gpu_hour: float = Field(
         0.0,

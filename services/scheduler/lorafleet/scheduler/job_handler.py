@@ -108,6 +108,7 @@ class JobHandler:
         estimate_prior_s_per_step: float = PRIOR_S_PER_STEP,
         min_plausible_s_per_step: float = MIN_PLAUSIBLE_S_PER_STEP,
         fleet_max_vram_mb: int = 0,
+        fleet_cpu_only: bool = False,
         watch_keepalive_s: float = 15.0,
     ) -> None:
         self._price_per_gpu_hour = price_per_gpu_hour
@@ -115,6 +116,7 @@ class JobHandler:
         # quiet job from a replica or a path gone silent (AsyncClient watch_silence_s).
         self._watch_keepalive_s = watch_keepalive_s
         self._fleet_max_vram_mb = fleet_max_vram_mb
+        self._fleet_cpu_only = fleet_cpu_only
         self._estimate_window_s = estimate_window_s
         self._estimate_min_machines = estimate_min_machines
         self._estimate_prior_s_per_step = estimate_prior_s_per_step
@@ -149,7 +151,9 @@ class JobHandler:
             if sub.spec.webhook_url:
                 self._webhook_policy.check_url(sub.spec.webhook_url, f"{prefix}.webhook.url")
             # A job no node of the fleet can hold would wait in the queue for ever.
-            check_fits_fleet(sub.spec, self._fleet_max_vram_mb, prefix=prefix)
+            check_fits_fleet(
+                sub.spec, self._fleet_max_vram_mb, cpu_only=self._fleet_cpu_only, prefix=prefix
+            )
             # A relative local path can never name the same folder on a worker: refused here,
             # before it becomes a job that could only fail on the fleet.
             for field in ("base_model", "vae_model"):

@@ -241,6 +241,7 @@ class Scheduler(AsyncLifecycle):
             estimate_prior_s_per_step=cfg.estimate_prior_s_per_step,
             min_plausible_s_per_step=cfg.min_plausible_seconds_per_step,
             fleet_max_vram_mb=cfg.fleet_max_vram_mb,
+            fleet_cpu_only=cfg.fleet_accelerator == "cpu",
             watch_keepalive_s=cfg.watch_keepalive_s,
         )
         background = BackgroundTasks()
