@@ -16,18 +16,13 @@ States and transitions (`State`, `TRANSITIONS`; any other transition is a bug an
     DRAINING     drained, or the grace period is over      STOPPED
     any          shutdown(), or a drain while QUALIFYING   STOPPED
 
-* QUALIFYING: the probe (qualify.py) runs once, in a thread; its result goes in every Hello.
-* CONNECTING: opens a stream (a fresh channel per attempt) with `authorization: Bearer`, sends
-  Hello (`held_lease` set while a lease is live) and waits for Welcome. Failed attempts back off
-  by the shared rule (`lorafleet.core.retry.backoff_delay`: exponential, full jitter), bounded
-  by `reconnect_max_backoff_s`. A lease keeps training
-  meanwhile; only its messages wait.
-* Liveness: where the Welcome says the scheduler answers pings (`answers_ping`), the agent
-  pings every quarter of its silence bound (`scheduler_silence_s`, at most a third of the lease
-  TTL) and takes a stream that brought no message for the whole bound as lost: a frozen replica
-  (its kernel still accepts connections and answers HTTP/2 keepalive) or a path a middlebox
-  keeps open. It reconnects, through the load balancer, long before the lease could expire. A
-  reconnect is routine: one INFO line ("reconnected", with why and how long it took).
+* CONNECTING: opens a stream and waits for its Welcome (stream.py). Failed attempts back off by
+  the shared rule (`lorafleet.core.retry.backoff_delay`: exponential, full jitter), bounded by
+  `reconnect_max_backoff_s`. A lease keeps training meanwhile; only its messages wait.
+* Liveness: heartbeats, and pings where the scheduler answers them, within a silence bound of
+  at most a third of the lease TTL (stream.py). A stream that brought nothing for the whole
+  bound is lost, and the agent reconnects long before the lease could expire. A reconnect is
+  routine: one INFO line ("reconnected", with why and how long it took).
 * IDLE: says Ready once it is free (a revoked lease's thread has stopped), then waits: work is
   pushed. Heartbeats with an empty lease keep the machine seen.
 * LEASED: a `LeaseRunner` runs the lease; heartbeats carry its latest progress only. When it ends
@@ -40,12 +35,9 @@ States and transitions (`State`, `TRANSITIONS`; any other transition is a bug an
 The lease itself (`_runner`) is data next to the state, not a state: it survives CONNECTING and
 DRAINING.
 
-Beside the connection, two helpers talk to the provider's metadata service (config
-`spot_notice`, `salad_reallocate`): with `spot_notice` `ec2`, a watcher polls EC2's spot
-interruption notice from the start (spot_notice.py) and calls `drain()` when one appears, exactly
-as SIGTERM does; on SaladCloud, a failed qualification probe asks the node's IMDS to reallocate
-this container (salad_imds.py) while the agent connects as usual (the scheduler records the
-failed probe; SaladCloud's SIGTERM follows). Both stop with the agent.
+Beside the connection, the agent acts on what the provider's metadata service says
+(metadata_services.py): an EC2 spot interruption notice drains it, exactly as SIGTERM does; on
+SaladCloud, a failed qualification probe asks for another node. Both stop with the agent.
 
 Lifecycle: `async with Agent(config) as agent: await agent.run()`; `drain(reason)` asks for a
 graceful stop (signal handlers call it); `shutdown()` stops at once and is idempotent.
@@ -62,34 +54,27 @@ import collections
 import enum
 import functools
 import random
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
-import grpc
 import structlog
 
-from lorafleet.core import __version__
-from lorafleet.core.errors import LorafleetError
-from lorafleet.core.families import FAMILIES
 from lorafleet.core.lifecycle import AsyncLifecycle
 from lorafleet.core.retry import backoff_delay
 from lorafleet.core.serde import MAX_CHECKPOINT_COST_S
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
-from lorafleet.fleet.v1 import fleet_pb2_grpc as fgrpc
 from lorafleet.worker import metrics
 from lorafleet.worker.config import WorkerConfig
-from lorafleet.worker.identity import fetch_identity
 from lorafleet.worker.lease_runner import (
     LeaseLost,
     LeaseResult,
     LeaseRunner,
     TrainerFactory,
 )
+from lorafleet.worker.metadata_services import MetadataServices
 from lorafleet.worker.qualify import QualificationResult, probe
-from lorafleet.worker.salad_imds import request_reallocation
 from lorafleet.worker.sample_runner import SampleRunner
-from lorafleet.worker.spot_notice import watch_spot_notice
+from lorafleet.worker.stream import AgentError as AgentError  # `run()` raises it; import it here
+from lorafleet.worker.stream import SchedulerStream, Session, StreamFailed, Terminal
 from lorafleet.worker.training import Trainer
 from lorafleet.worker.training.resident import ResidentModel
 from lorafleet.worker.training.samples import SamplePipelines
@@ -98,8 +83,6 @@ from lorafleet.worker.transfer import TransferClient
 
 log = structlog.get_logger(__name__)
 
-# gRPC codes after which trying again with the same configuration cannot help.
-_FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 # Reserve of the drain grace kept for saying Draining after the checkpoint phase.
 _DRAIN_REPLY_RESERVE_S = 5.0
 # How long stopping an idle training thread may take (it only has to leave its queue).
@@ -125,73 +108,8 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 }
 
 
-class AgentError(LorafleetError):
-    """The worker cannot run with this configuration (e.g. the scheduler refuses its token)."""
-
-
-class _StreamFailed(Exception):
-    """A connection attempt or an open stream failed; the agent reconnects."""
-
-
 def same_lease(a: fpb.LeaseRef, lease_id: str, epoch: int) -> bool:
     return bool(a.lease_id) and a.lease_id == lease_id and a.epoch == epoch
-
-
-class _Session:
-    """One Connect stream. Writes go through one writer task in order; `send` never blocks."""
-
-    def __init__(self, channel: grpc.aio.Channel, call: grpc.aio.StreamStreamCall) -> None:
-        self.channel = channel
-        self.call = call
-        self._outbox: asyncio.Queue[fpb.ConnectRequest | None] = asyncio.Queue()
-        self.writable = True
-        # Set when the read side ended (EOF after our half-close, or an error).
-        self.closed = asyncio.Event()
-        self.heartbeat_interval_s = 10.0
-        # Loop time of the last message read from the scheduler (the liveness check).
-        self.last_heard = asyncio.get_running_loop().time()
-        self.answers_ping = False
-        # Why the stream ended, for the "reconnected" line.
-        self.lost_because = ""
-        self._writer = asyncio.get_running_loop().create_task(self._write_loop())
-
-    def send(self, message: fpb.ConnectRequest) -> None:
-        if self.writable:
-            self._outbox.put_nowait(message)
-
-    def finish_writing(self) -> None:
-        """Half-close after what is queued: the scheduler handles it all, then ends the stream."""
-        if self.writable:
-            self.writable = False
-            self._outbox.put_nowait(None)
-
-    async def _write_loop(self) -> None:
-        try:
-            while (message := await self._outbox.get()) is not None:
-                await self.call.write(message)
-            await self.call.done_writing()
-        except Exception as exc:
-            # The call failed or was cancelled; the read side sees it and ends the session.
-            log.info("stream write failed", error=f"{type(exc).__name__}: {exc}"[:200])
-        finally:
-            self.writable = False
-
-    async def close(self) -> None:
-        """Cancels the call and closes the channel; idempotent."""
-        self.writable = False
-        self.call.cancel()
-        self._writer.cancel()
-        await asyncio.gather(self._writer, return_exceptions=True)
-        await self.channel.close()
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Terminal:
-    """JobSucceeded/JobFailed sent on a stream that may have broken before the scheduler read
-    it: checked (Hello.held_lease) and re-sent on the next connection."""
-
-    ref: fpb.LeaseRef
-    message: fpb.ConnectRequest
 
 
 class _Link:
@@ -205,7 +123,7 @@ class _Link:
         await self._agent._send_for_lease(self._ref, message)
 
 
-class Agent(AsyncLifecycle):
+class Agent(SchedulerStream, MetadataServices, AsyncLifecycle):
     """The worker process's one long-lived component; see the module docstring."""
 
     def __init__(
@@ -226,14 +144,14 @@ class Agent(AsyncLifecycle):
         self._rng = rng or random.Random()
         self._state = State.QUALIFYING
         self._changed = asyncio.Event()
-        self._session: _Session | None = None
+        self._session: Session | None = None
         self._runner: LeaseRunner | SampleRunner | None = None
         # The base model kept loaded between leases, shared by training runs and sample tasks
         # (used on the training thread only).
         self.resident = ResidentModel()
         self.sample_pipelines = SamplePipelines(self.resident)
         self._runner_task: asyncio.Task[LeaseResult] | None = None
-        self._terminal: _Terminal | None = None
+        self._terminal: Terminal | None = None
         # What this worker was given that proves it is itself after a reconnect: the session
         # token of its last stream, and the secret of each lease it may still hold.
         self._session_token = ""
@@ -401,31 +319,6 @@ class Agent(AsyncLifecycle):
                 job_id=self._runner.job_id if self._runner else None,
             )
 
-    # The provider's metadata service ----------------------------------------------------------
-
-    def _side_task(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
-
-    async def _watch_spot_notice(self) -> None:
-        """EC2's interruption notice drains the worker, exactly as SIGTERM does."""
-        notice = await watch_spot_notice(
-            base_url=self.config.ec2_metadata_url,
-            interval_s=self.config.spot_notice_interval_s,
-            stop=self._finished,
-        )
-        if notice is not None:
-            self._log.warning("spot interruption notice", action=notice.action, at=notice.time)
-            self.drain(f"spot interruption notice: {notice.action} at {notice.time}")
-
-    async def _reallocate(self, detail: str) -> None:
-        """A node that failed qualification will never get work: ask SaladCloud for another."""
-        self.reallocation_requested = await request_reallocation(
-            f"lorafleet qualification failed: {detail}", base_url=self.config.salad_imds_url
-        )
-        self._notify()
-
     # State ------------------------------------------------------------------------------------
 
     def _set_state(self, new: State) -> None:
@@ -457,25 +350,6 @@ class Agent(AsyncLifecycle):
 
     # Connecting -------------------------------------------------------------------------------
 
-    @property
-    def reconnect_max_backoff_s(self) -> float:
-        """The configured bound, and never more than a third of the lease TTL the scheduler
-        announced: a worker holding a lease must get back several times before it expires."""
-        bound = self.config.reconnect_max_backoff_s
-        if self._announced_lease_ttl_s is not None:
-            bound = min(bound, self._announced_lease_ttl_s / 3)
-        return max(bound, self.config.reconnect_initial_backoff_s)
-
-    @property
-    def silence_bound_s(self) -> float:
-        """How long a stream may bring nothing before it is taken as lost: the configured
-        bound, and never more than a third of the announced lease TTL, so the worker notices,
-        reconnects and resumes its lease (several tries) before the lease could expire."""
-        bound = self.config.scheduler_silence_s
-        if self._announced_lease_ttl_s is not None:
-            bound = min(bound, self._announced_lease_ttl_s / 3)
-        return bound
-
     async def _connection_loop(self) -> None:
         attempt = 0
         while not self._finished.is_set():
@@ -485,7 +359,7 @@ class Agent(AsyncLifecycle):
                 return
             try:
                 session = await self._open_session()
-            except _StreamFailed as exc:
+            except StreamFailed as exc:
                 delay = backoff_delay(
                     attempt,
                     initial_s=self.config.reconnect_initial_backoff_s,
@@ -516,200 +390,9 @@ class Agent(AsyncLifecycle):
         runner = self._runner
         return (runner is not None and runner.holds_lease) or self._draining_lease is not None
 
-    def _channel(self) -> grpc.aio.Channel:
-        options = [
-            # Each channel its own connection. gRPC otherwise shares one subchannel (one TCP
-            # connection) among channels with the same target and options, so a "fresh"
-            # channel after a frozen replica went quiet would reuse the very connection that
-            # went quiet, and a load balancer would never get to pick another replica.
-            ("grpc.use_local_subchannel_pool", 1),
-            # HTTP/2 keepalive finds a dead path that no one answers; a frozen replica's kernel
-            # or a middlebox may answer it, hence the Ping/Pong check (`_liveness_loop`).
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
-        ]
-        address = self.config.scheduler_address
-        # No client interceptor (the OpenTelemetry one) on this channel: an intercepted
-        # stream-stream call feeds its writes through an async generator consumed by a task of
-        # gRPC's own, which a dropped stream leaves pending; it was destroyed at the next garbage
-        # collection with "Task was destroyed but it is pending!" and "aclose(): asynchronous
-        # generator is already running", an ERROR pair per reconnect. The scheduler traces no
-        # worker stream either; a lease's spans join its job's trace through the grant's
-        # traceparent (lease_runner.py).
-        if self.config.tls:
-            ca = self.config.tls_ca_file.read_bytes() if self.config.tls_ca_file else None
-            credentials = grpc.ssl_channel_credentials(root_certificates=ca)
-            return grpc.aio.secure_channel(address, credentials, options=options)
-        return grpc.aio.insecure_channel(address, options=options)
-
-    def _hello(self) -> fpb.Hello:
-        qualification = self.qualification
-        assert qualification is not None
-        hello = fpb.Hello(
-            machine_id=self.config.machine_id,
-            provider_instance_id=self.config.provider_instance_id,
-            gpu_model=qualification.gpu_model,
-            vram_mb=qualification.vram_mb,
-            qualification=qualification.to_proto(),
-            version=__version__,
-            # Every family its trainer knows: it is offered jobs of these only.
-            families=list(FAMILIES),
-        )
-        # The previous stream's token: this machine id stays ours across the reconnect.
-        hello.session_token = self._session_token
-        runner = self._runner
-        unconfirmed = self._unconfirmed()
-        held = None
-        if runner is not None and runner.holds_lease:
-            held = runner.ref
-        elif unconfirmed is not None:
-            held = unconfirmed.ref
-        if held is not None:
-            hello.held_lease.CopyFrom(held)
-            # Only the stream the lease was granted on was given its secret: it proves ours.
-            hello.held_lease_secret = self._lease_secrets.get(held.lease_id, "")
-        return hello
-
-    def _unconfirmed(self) -> _Terminal | None:
-        """The last lease's final message, until the scheduler is known to have read it."""
-        runner = self._runner
-        if runner is not None and runner.terminal_message is not None:
-            # Sent, but the runner is still closing down (its task has not ended yet).
-            return _Terminal(ref=runner.ref, message=runner.terminal_message)
-        return self._terminal
-
-    async def _open_session(self) -> _Session:
-        """A stream that has been welcomed, or `_StreamFailed`."""
-        # A fresh channel per attempt: no hidden channel-level backoff, DNS resolved anew.
-        channel = self._channel()
-        call = fgrpc.WorkerServiceStub(channel).Connect(
-            metadata=(("authorization", f"Bearer {self.config.worker_token}"),)
-        )
-        session = _Session(channel, call)
-        hello = self._hello()
-        hello.identity.CopyFrom(await fetch_identity(self.config))
-        session.send(fpb.ConnectRequest(hello=hello))
-        welcome_timeout_s = self.config.welcome_timeout_s
-        if self._lost_at is not None:
-            # A reconnect: the replica the load balancer chose may be the frozen one again;
-            # try another after the silence bound rather than the first connection's patience.
-            welcome_timeout_s = min(welcome_timeout_s, self.silence_bound_s)
-        try:
-            async with asyncio.timeout(welcome_timeout_s):
-                first = await call.read()
-        except grpc.aio.AioRpcError as exc:
-            await session.close()
-            if exc.code() in _FATAL_CODES:
-                raise AgentError(f"the scheduler refused this worker: {exc.details()}") from exc
-            raise _StreamFailed(f"{exc.code().name}: {exc.details()}") from exc
-        except TimeoutError as exc:
-            await session.close()
-            raise _StreamFailed("no Welcome in time") from exc
-        except BaseException:
-            await session.close()
-            raise
-        if first is grpc.aio.EOF or first.WhichOneof("message") != "welcome":
-            await session.close()
-            raise _StreamFailed("the stream did not start with Welcome")
-        session.heartbeat_interval_s = (
-            first.welcome.heartbeat_interval_s or self.config.default_heartbeat_interval_s
-        )
-        if first.welcome.lease_ttl_s > 0:
-            self._announced_lease_ttl_s = float(first.welcome.lease_ttl_s)
-        session.answers_ping = first.welcome.answers_ping
-        session.last_heard = asyncio.get_running_loop().time()
-        self._session = session
-        self._on_welcome(session, first.welcome)
-        return session
-
-    # Serving one stream -----------------------------------------------------------------------
-
-    async def _serve(self, session: _Session) -> None:
-        """Reads until the stream ends or the agent finishes; heartbeats meanwhile."""
-        loop = asyncio.get_running_loop()
-        reader = loop.create_task(self._read_loop(session))
-        heartbeat = loop.create_task(self._heartbeat_loop(session))
-        finished = loop.create_task(self._finished.wait())
-        liveness = loop.create_task(self._liveness_loop(session))
-        tasks = (heartbeat, finished, liveness, reader)
-        try:
-            await asyncio.wait([reader, finished, liveness], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if not self._finished.is_set():
-                self._lost_at = (loop.time(), session.lost_because or "the stream ended")
-            await session.close()
-            if self._session is session:
-                self._session = None
-            self._notify()
-
-    async def _read_loop(self, session: _Session) -> None:
-        try:
-            while True:
-                message = await session.call.read()
-                if message is grpc.aio.EOF:
-                    session.lost_because = "the scheduler ended the stream"
-                    return
-                session.last_heard = asyncio.get_running_loop().time()
-                self._dispatch(session, message)
-        except grpc.aio.AioRpcError as exc:
-            # Said once, at INFO, in the "reconnected" line: a replica restarting or a load
-            # balancer moving streams is routine.
-            session.lost_because = f"{exc.code().name}: {exc.details()}"[:200]
-        finally:
-            session.closed.set()
-
-    async def _liveness_loop(self, session: _Session) -> None:
-        """Returns (ending the stream) once the scheduler has said nothing for the silence
-        bound, though pinged every quarter of it. Runs only where the Welcome said the
-        scheduler answers pings."""
-        if not session.answers_ping:
-            await asyncio.Event().wait()  # an older scheduler: the stream and keepalive alone
-        loop = asyncio.get_running_loop()
-        while True:
-            bound = self.silence_bound_s
-            silent_s = loop.time() - session.last_heard
-            if silent_s >= bound:
-                session.lost_because = (
-                    f"no answer from the scheduler for {silent_s:.1f} s (bound {bound:g} s)"
-                )
-                return
-            self._ping_nonce += 1
-            session.send(fpb.ConnectRequest(ping=fpb.Ping(nonce=self._ping_nonce)))
-            await asyncio.sleep(min(bound / 4, bound - silent_s))
-
-    async def _heartbeat_loop(self, session: _Session) -> None:
-        while True:
-            await asyncio.sleep(session.heartbeat_interval_s)
-            session.send(fpb.ConnectRequest(heartbeat=self._heartbeat()))
-
-    def _heartbeat(self) -> fpb.Heartbeat:
-        runner = self._runner
-        if runner is None or not runner.holds_lease:
-            return fpb.Heartbeat()  # idle: keeps the machine seen
-        progress = runner.progress.latest()
-        heartbeat = fpb.Heartbeat(
-            lease=runner.ref,
-            step=progress.step,
-            loss=progress.loss,
-            learning_rate=progress.learning_rate,
-            seconds_per_step=progress.seconds_per_step,
-            gpu_memory_mb=progress.gpu_memory_mb,
-        )
-        if isinstance(runner, LeaseRunner) and self.config.keep_base_model:
-            # The run compiles its step on the resident model, which then holds that shape
-            # (and forgets it if the run falls back to eager): a membership test, safe to read
-            # while the training thread runs. Without a resident model it says nothing.
-            heartbeat.step_compiled = self.resident.is_compiled(runner.compiled_shape_key)
-        return heartbeat
-
     # Messages from the scheduler --------------------------------------------------------------
 
-    def _dispatch(self, session: _Session, message: fpb.ConnectResponse) -> None:
+    def _dispatch(self, session: Session, message: fpb.ConnectResponse) -> None:
         kind = message.WhichOneof("message")
         if kind == "lease_granted":
             self._on_grant(session, message.lease_granted)
@@ -736,7 +419,7 @@ class Agent(AsyncLifecycle):
         else:
             self._log.warning("unexpected message from the scheduler", kind=kind)
 
-    def _on_welcome(self, session: _Session, welcome: fpb.Welcome) -> None:
+    def _on_welcome(self, session: Session, welcome: fpb.Welcome) -> None:
         self._session_token = welcome.session_token
         self.scheduler_id = welcome.scheduler_id
         resumed = welcome.resumed_lease
@@ -789,7 +472,7 @@ class Agent(AsyncLifecycle):
         if self._state is not State.DRAINING:
             self._enter_idle()
 
-    def _on_grant(self, session: _Session, grant: fpb.LeaseGranted | fpb.SampleTaskGranted) -> None:
+    def _on_grant(self, session: Session, grant: fpb.LeaseGranted | fpb.SampleTaskGranted) -> None:
         """A training lease or a sample task (a lease of its own kind)."""
         ref = fpb.LeaseRef(lease_id=grant.lease.lease_id, epoch=grant.lease.epoch)
         if self._state is State.DRAINING:
@@ -838,7 +521,7 @@ class Agent(AsyncLifecycle):
         self._set_state(State.LEASED)
         self._runner_task = asyncio.get_running_loop().create_task(self._run_lease(runner))
 
-    def _report_final_step(self, session: _Session, ref: fpb.LeaseRef) -> None:
+    def _report_final_step(self, session: Session, ref: fpb.LeaseRef) -> None:
         """Its job was canceled: one last heartbeat says the step this lease reached, which
         the scheduler records as the canceled job's progress (the last periodic heartbeat
         may be an interval behind). Sent before the run stops, so it is the step the cancel
@@ -909,7 +592,7 @@ class Agent(AsyncLifecycle):
             if self._runner is runner:
                 self._runner = None
             if runner.terminal_message is not None and not runner.terminal_confirmed:
-                self._terminal = _Terminal(ref=runner.ref, message=runner.terminal_message)
+                self._terminal = Terminal(ref=runner.ref, message=runner.terminal_message)
             if self._state is State.LEASED:
                 self._set_state(State.IDLE)
             self._notify()
