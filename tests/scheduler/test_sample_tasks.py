@@ -84,6 +84,32 @@ async def artifacts(fleet: Fleet, job_id: str) -> pb.GetJobArtifactsResponse:
     return response
 
 
+async def test_each_validation_window_samples_its_first_checkpoint(fleet: Fleet) -> None:
+    """An interval that does not divide validation_steps (as `checkpointing_steps: auto` picks
+    from the node's pace): the first checkpoint at or after each multiple of 10 gets images,
+    the rest of its window none. Before, only steps that were multiples of 10 did: none here."""
+    job = await fleet.alice.submit(max_train_steps=40, **VALIDATION)
+    async with (
+        connect_worker(fleet.channel, fleet.token, "trainer") as trainer,
+        connect_worker(fleet.channel, fleet.token, "sampler") as sampler,
+    ):
+        granted = await trainer.ready_for_lease()
+        for step in (7, 14, 18, 21, 28):
+            await trainer.store_checkpoint(granted.lease, step)
+        await trainer.store_result(granted, 40)
+        steps = []
+        for _ in range(3):
+            await sampler.send(ready=fpb.Ready())
+            task = await sampler.expect("sample_task_granted")
+            steps.append(task.step)
+            await store_samples(sampler, task)
+        assert steps == [14, 21, 40]
+        await settled(sampler, task)
+        await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_SUCCEEDED)
+        events = await fleet.alice.events(job.job_id)
+        assert [e.step for e in events if e.kind == pb.JOB_EVENT_KIND_SAMPLES] == [14, 21, 40]
+
+
 async def test_checkpoint_and_result_queue_sample_tasks_made_by_an_idle_worker(
     fleet: Fleet,
 ) -> None:

@@ -339,8 +339,8 @@ class JobSpec:
     )
     validation_steps: int = spec_field(
         default=0,
-        help="a sample task for each checkpoint at a multiple of this step; 0: only for the"
-        " result (with a prompt)",
+        help="a sample task every this many steps: at the first checkpoint at or after each"
+        " multiple of it; 0: only for the result (with a prompt)",
         trains=False,
         low=0,
         high=MAX_TRAIN_STEPS,

@@ -692,16 +692,21 @@ WITH live AS (
                             checkpoint_key, checkpoint_bytes, checkpoint_sha256)
     SELECT job_id, 'CHECKPOINT_COMMITTED', lease_id, machine_id, epoch, $3, $4, $5, $6 FROM live
 ), sampled AS (
-    -- Validation images of this step: a sample task, when the spec asks for them
-    -- here (a prompt, and a step that is a multiple of validation_steps). Never twice a step.
+    -- Validation images of this step: a sample task, when the spec asks for them (a prompt)
+    -- and this is the first checkpoint at or after a multiple k * validation_steps, i.e. no
+    -- step of [k * V, (k + 1) * V) has one yet: with an interval that divides V, the multiples
+    -- themselves; with `checkpointing_steps: auto`, whose interval the node's pace picks,
+    -- still one per V steps. Never twice a step.
     INSERT INTO sample_tasks (job_id, step, weights_key, weights_sha256, weights_is_checkpoint,
                               settings, max_failures)
     SELECT j.job_id, $3, $4, $6, true, lorafleet_sample_settings(j.spec), j.max_failures
     FROM jobs j JOIN recorded r USING (job_id)
+    CROSS JOIN LATERAL (SELECT coalesce((j.spec ->> 'validation_steps')::int, 0) AS every) v
     WHERE jsonb_array_length(lorafleet_sample_settings(j.spec) -> 'prompts') > 0
-      AND coalesce((j.spec ->> 'validation_steps')::int, 0) > 0
-      AND $3 % (j.spec ->> 'validation_steps')::int = 0
-      AND NOT EXISTS (SELECT 1 FROM sample_tasks s WHERE s.job_id = j.job_id AND s.step = $3)
+      AND v.every > 0 AND $3 >= v.every
+      AND NOT EXISTS (SELECT 1 FROM sample_tasks s
+                      WHERE s.job_id = j.job_id
+                        AND (s.step = $3 OR s.step / v.every = $3 / v.every))
 )
 SELECT job_id FROM live;
 
