@@ -313,7 +313,7 @@ def test_a_model_of_another_family_fails_as_the_jobs_input_naming_base_model(
             run(model, family_spec(named, model, max_train_steps=1))
         assert refused.value.failure_class is FailureClass.INPUT
         message = str(refused.value)
-        assert message.startswith("base_model:") and f"is a {family} model" in message
+        assert message.startswith("base_model:") and f"is a model of family {family}" in message
         assert f"model_family {family}" in message
 
 

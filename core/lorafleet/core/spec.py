@@ -881,7 +881,8 @@ def _check_family(spec: JobSpec) -> None:
     if variant is not None and variant.family != family:
         raise InvalidArgument(
             "base_model",
-            f"{spec.base_model!r} is a {variant.family} model; model_family says {family}",
+            f"{spec.base_model!r} is a model of family {variant.family}; model_family says"
+            f" {family}",
         )
     if family == "sdxl":
         for name in _FLOW_ONLY:

@@ -369,11 +369,14 @@ def family_from_local_model(spec: dict[str, Any], *, where: str = "") -> str | N
         return None  # what auto takes it for already
     if named == "auto":
         spec["model_family"] = family
-        return f"note: {base_model} is a {family} model ({pipeline}): model_family {family}"
+        return (
+            f"note: {base_model} is a model of family {family} ({pipeline}): model_family {family}"
+        )
     if named != family:
         raise InvalidArgument(
             f"{where}base_model",
-            f"{base_model!r} is a {family} model ({pipeline}) but model_family says {named};"
+            f"{base_model!r} is a model of family {family} ({pipeline}) but model_family says"
+            f" {named};"
             f" submit it with model_family {family}",
         )
     return None

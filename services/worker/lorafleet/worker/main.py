@@ -4,8 +4,8 @@ Every option of `WorkerConfig` (config.py) is a flag and an environment variable
 (`--help` lists them with their variables and defaults). The first SIGTERM or SIGINT
 drains: the current step finishes, a checkpoint is committed, the job is re-queued, and the
 process exits 0. A second signal stops at once. With `--spot-notice ec2`, EC2's spot
-interruption notice drains the same way (metadata_services.py), and a worker given no machine id takes its
-instance id from the metadata service first (spot_notice.py).
+interruption notice drains the same way (metadata_services.py), and a worker given no machine
+id takes its instance id from the metadata service first (spot_notice.py).
 
 Exit codes: 0 stopped or drained; 1 the qualification probe failed (`--probe-only`);
 2 bad configuration or credentials the scheduler refuses.

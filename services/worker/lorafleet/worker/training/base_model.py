@@ -145,8 +145,8 @@ def detect_family(config: TrainingConfig) -> Family:
             else "model_family auto takes a base model the fleet does not know for sdxl"
         )
         raise input_fault(
-            f"base_model: {ref!r} is a {family_name} model ({pipeline}) but the job was submitted"
-            f" as {expected} ({how}); submit it with model_family {family_name}"
+            f"base_model: {ref!r} is a model of family {family_name} ({pipeline}) but the job was"
+            f" submitted as {expected} ({how}); submit it with model_family {family_name}"
         )
     return FAMILY_OF[family_name]
 
