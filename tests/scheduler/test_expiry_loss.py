@@ -9,6 +9,8 @@ import uuid
 from pathlib import Path
 
 import asyncpg
+import pytest
+import structlog
 from structlog.testing import capture_logs
 
 from lorafleet.cli.timeline import LeaseOutcome, leases_from_events
@@ -16,6 +18,7 @@ from lorafleet.core.model import Checkpoint, EventKind, checkpoint_key
 from lorafleet.core.spec import JobSpec
 from lorafleet.ledger.ledger import Ledger, NewJob
 from lorafleet.scheduler import metrics
+from lorafleet.scheduler import sweeper as sweeper_module
 from lorafleet.scheduler.storage import LocalObjectStore, LocalStoreConfig
 from lorafleet.scheduler.sweeper import Sweeper
 
@@ -35,7 +38,7 @@ def new_job() -> NewJob:
 
 
 async def test_expiry_records_the_steps_lost_from_the_last_report(
-    ledger: Ledger, database_url: str, tmp_path: Path
+    ledger: Ledger, database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await ledger.insert_jobs("alice", [new_job()])
     job = await ledger.claim_job("m1", 0, TTL_S, secret_sha256=SECRET)
@@ -81,6 +84,10 @@ async def test_expiry_records_the_steps_lost_from_the_last_report(
     )
     lost_before = metrics.STEPS_LOST_TO_EXPIRY._value.get()
     with capture_logs() as logs:
+        # A fresh logger: the module's own is cached on first use (cache_logger_on_first_use)
+        # with the processor list of the configuration then; capture_logs edits the current
+        # list, which is another one once a later test configured logging again.
+        monkeypatch.setattr(sweeper_module, "log", structlog.get_logger(sweeper_module.__name__))
         await sweeper.sweep_once()
     expired = [e for e in logs if e["event"] == "lease expired; job re-queued"]
     assert len(expired) == 1, logs
