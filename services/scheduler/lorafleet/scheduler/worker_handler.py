@@ -524,7 +524,10 @@ class WorkerHandler:
 
     async def draining(self, session: WorkerSession, msg: DrainingReport) -> None:
         """The worker is leaving: it gets no more work, and its lease goes back to the queue at
-        once (without waiting out the TTL)."""
+        once (without waiting out the TTL). A session already closed (its machine reconnected on
+        another stream, which took over its lease) has nothing left to drain."""
+        if not session.may("drain"):
+            return
         session.drain()
         metrics.DRAINS.inc()
         ref = msg.lease
