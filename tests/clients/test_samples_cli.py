@@ -8,8 +8,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from lorafleet.cli.commands import JOB_COMMANDS, add_spec_flags, spec_from_args
+from lorafleet.cli.commands import JOB_COMMANDS
 from lorafleet.cli.samples import render_grid, sample_path
+from lorafleet.cli.spec_flags import add_spec_flags, spec_from_args
 from lorafleet.cli.timeline.paint import _samples_html
 from lorafleet.client.api import SampleImageInfo, build_spec
 from lorafleet.jobs.v1 import jobs_pb2 as pb

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from lorafleet.cli.commands import add_spec_flags, spec_from_args
+from lorafleet.cli.spec_flags import add_spec_flags, spec_from_args
 from lorafleet.client.api import build_spec
 from lorafleet.core.errors import InvalidArgument
 from lorafleet.core.serde import spec_from_proto
@@ -151,7 +151,7 @@ def test_download_says_how_a_result_loads_in_its_family_pipeline() -> None:
     """`lorafleet download` once printed `pipe.load_lora_weights(...)` for every file; a FLUX.1
     job's kohya file does not load that way (diffusers converts that layout for some layers
     only), and a user of several families needs the pipeline's name."""
-    from lorafleet.cli.commands import load_hint
+    from lorafleet.cli.render import load_hint
     from lorafleet.core.spec import JobSpec
 
     def spec(**fields: Any) -> JobSpec:
@@ -184,7 +184,7 @@ def test_submit_takes_a_local_model_family_from_its_model_index(
     sdxl and failed on the worker after queueing; a folder on the submitting machine (as on
     `lorafleet up`) now names its family, and a contradiction or FLUX.2 [dev] is refused before
     anything is uploaded, naming base_model."""
-    from lorafleet.cli.commands import family_from_local_model
+    from lorafleet.cli.local_inputs import family_from_local_model
 
     def model(name: str, pipeline: str) -> str:
         (tmp_path / name).mkdir()

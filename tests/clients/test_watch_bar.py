@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.progress import Progress as Bar
 from rich.progress import TimeRemainingColumn
 
-from lorafleet.cli.commands import format_eta, watch_columns
+from lorafleet.cli.render import format_eta, watch_columns
 from lorafleet.core.model import Job, JobState, Progress
 from tests.clients.test_timeline import make_job
 

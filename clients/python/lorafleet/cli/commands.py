@@ -1,58 +1,50 @@
-"""The user-facing job commands: submit, watch, list, get, cancel, events, download.
+"""The user-facing job commands: submit, watch, list, get, cancel, events, download, and
+their parser registration.
 
-Every JobSpec field is a flag (`--learning-rate 2e-4`, `--train-text-encoder`,
-`--label team=a`), built from its declaration in core/spec.py (type, choices, help, default) so
-that no option can be forgotten; a YAML or JSON file (`--spec job.yaml`) gives the same fields,
-and flags override it.
+The flags of a job spec come from `spec_flags`, what the commands print from `render`, and
+what `submit` reads from this machine (images, a local model's family) from `local_inputs`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
-import os
 import sys
-import uuid
-from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from lorafleet.cli.local_inputs import (
+    family_from_local_model,
+    image_source,
+    read_images,
+    say_skipped,
+    upload_prefix,
+)
+from lorafleet.cli.render import (
+    describe_estimate,
+    describe_event,
+    describe_job,
+    estimate_json,
+    event_json,
+    format_age,
+    format_eta,
+    job_json,
+    load_hint,
+    print_json,
+    watch_columns,
+)
 from lorafleet.cli.report import format_report, report_command, report_to_json
 from lorafleet.cli.samples import SAMPLES_HELP, add_samples_arguments, samples_command
+from lorafleet.cli.spec_flags import add_spec_flags, load_document, parse_labels, spec_from_args
 from lorafleet.cli.timeline import timeline_command
 from lorafleet.client import AsyncClient
 from lorafleet.client.api import build_spec
-from lorafleet.client.dataset import (
-    IMAGE_SUFFIXES,
-    TrainingFile,
-    fetch_zip,
-    read_folder,
-    read_zip,
-)
+from lorafleet.client.dataset import TrainingFile, read_folder
 from lorafleet.core.errors import InvalidArgument
-from lorafleet.core.families import DEFAULT_FAMILY, PIPELINES, REFUSED_PIPELINES
-from lorafleet.core.model import (
-    RESULT_FILE_NAMES,
-    Estimate,
-    Job,
-    JobEvent,
-    JobState,
-    result_format,
-)
-from lorafleet.core.spec import SPEC_FIELD, SPEC_FIELDS, JobSpec, SpecField
-
-
-def _spec_help(f: SpecField) -> str:
-    """A flag's help: the field's declared help and its default."""
-    shown = f.shown_default
-    text = f.help if shown is None else f"{f.help} (default: {shown})"
-    return text.replace("%", "%%")
-
+from lorafleet.core.model import RESULT_FILE_NAMES, Job, JobState, result_format
+from lorafleet.core.spec import JobSpec
 
 # The client commands: each talks to a scheduler over gRPC and imports no service.
 JOB_COMMANDS = (
@@ -77,326 +69,6 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def _int_or(zero: str) -> Callable[[str], int]:
-    """An int flag's parser; `zero` (e.g. "auto") stands for 0."""
-
-    def parse(text: str) -> int:
-        return 0 if zero and text == zero else int(text)
-
-    parse.__name__ = "int"  # argparse names the type in its error: "invalid int value"
-    return parse
-
-
-def add_spec_flags(parser: argparse.ArgumentParser) -> None:
-    """A flag per JobSpec field, from its declaration in core/spec.py: type, choices, help."""
-    group = parser.add_argument_group("job spec (any field of lorafleet.jobs.v1.JobSpec)")
-    for f in SPEC_FIELDS:
-        if f.name in ("labels", "webhook_url", "webhook_events"):
-            continue  # their own flags, after the loop
-        flag, dest, help_text = f.flag, f"spec_{f.name}", _spec_help(f)
-        if f.kind == "choice":
-            group.add_argument(flag, dest=dest, choices=f.choices, help=help_text)
-        elif f.kind == "texts":
-            # e.g. --validation-prompts "..." --validation-prompts "...": once per value.
-            group.add_argument(flag, dest=dest, action="append", metavar="TEXT", help=help_text)
-        elif f.kind == "bool":
-            group.add_argument(
-                flag,
-                dest=dest,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=help_text,
-            )
-        elif f.kind == "int":
-            metavar = f"N|{f.zero}" if f.zero else "N"
-            group.add_argument(
-                flag, dest=dest, type=_int_or(f.zero), metavar=metavar, help=help_text
-            )
-        elif f.kind == "float":
-            group.add_argument(flag, dest=dest, type=float, metavar="X", help=help_text)
-        else:
-            group.add_argument(flag, dest=dest, metavar="TEXT", help=help_text)
-    labels, url, events = (SPEC_FIELD[n] for n in ("labels", "webhook_url", "webhook_events"))
-    group.add_argument(
-        labels.flag, action="append", default=[], metavar="KEY=VALUE", help=_spec_help(labels)
-    )
-    group.add_argument(url.flag, help=_spec_help(url))
-    group.add_argument(
-        events.flag,
-        action="append",
-        default=[],
-        choices=events.choices,
-        help=_spec_help(events),
-    )
-
-
-def parse_labels(pairs: list[str], field: str = "label") -> dict[str, str]:
-    labels = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise InvalidArgument(field, f"expected KEY=VALUE, got {pair!r}")
-        labels[key] = value
-    return labels
-
-
-def load_document(path: Path) -> Any:
-    text = path.read_text()
-    return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-
-
-def spec_from_args(args: argparse.Namespace, base: Mapping[str, Any] | None) -> dict[str, Any]:
-    spec = dict(base or {})
-    for key, value in vars(args).items():
-        if key.startswith("spec_") and value is not None:
-            spec[key.removeprefix("spec_")] = value
-    if args.label:
-        spec["labels"] = {**spec.get("labels", {}), **parse_labels(args.label)}
-    if args.webhook_url or args.webhook_event:
-        # The flags replace a file's webhook, whichever way the file says it.
-        spec.pop("webhook_url", None)
-        spec.pop("webhook_events", None)
-        spec["webhook"] = {"url": args.webhook_url or "", "events": args.webhook_event}
-    return spec
-
-
-def _age(moment: datetime | None) -> str:
-    if moment is None:
-        return "-"
-    seconds = (datetime.now(UTC) - moment).total_seconds()
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit} ago"
-    return f"{seconds:.0f}s ago"
-
-
-def job_json(job: Job) -> dict[str, Any]:
-    p = job.progress
-    return {
-        "job_id": job.job_id,
-        "state": job.state.value,
-        "epoch": job.epoch,
-        "failures": job.failures,
-        "node_faults": job.node_faults,
-        "max_node_faults": job.max_node_faults,
-        "step": p.step,
-        "max_steps": p.max_steps,
-        "loss": p.loss,
-        "seconds_per_step": p.seconds_per_step,
-        "eta_seconds": p.eta_seconds,
-        "machine_id": job.machine_id,
-        "error": job.error,
-        "waiting_reason": job.waiting_reason,
-        "failure_class": job.failure_class.value if job.failure_class else None,
-        "result": dataclasses.asdict(job.result) if job.result else None,
-        "latest_checkpoint_step": job.latest_checkpoint.step if job.latest_checkpoint else None,
-        "gpu_seconds": job.gpu_seconds,
-        "created_at": job.created_at.isoformat(),
-        "finished_at": job.finished_at.isoformat() if job.finished_at else None,
-        "spec": job.spec.to_dict(),
-    }
-
-
-def event_json(event: JobEvent) -> dict[str, Any]:
-    return {
-        "event_id": event.event_id,
-        "kind": event.kind.value,
-        "at": event.at.isoformat(),
-        "machine_id": event.machine_id,
-        "epoch": event.epoch,
-        "step": event.step,
-        "loss": event.loss,
-        "seconds_per_step": event.seconds_per_step,
-        "message": event.message,
-        "state": event.state.value if event.state else None,
-        "checkpoint_key": event.checkpoint.key if event.checkpoint else None,
-    }
-
-
-def estimate_json(e: Estimate) -> dict[str, Any]:
-    return {
-        "seconds_per_step": e.seconds_per_step or None,
-        "samples": e.samples,
-        "seconds": e.seconds if e.samples else None,
-        "price_per_gpu_hour": e.price_per_gpu_hour or None,
-        "dollars": e.dollars if e.samples and e.price_per_gpu_hour else None,
-        "spend_limit_dollars": e.spend_limit_dollars or None,
-        "spent_dollars": e.spent_dollars,
-    }
-
-
-def describe_estimate(e: Estimate) -> str:
-    if not e.samples:
-        return (
-            "no estimate: too few of this fleet's machines have finished a job of this shape"
-            " (its model family, resolution, batch size, gradient accumulation, rank, precision,"
-            " base quantization, gradient checkpointing, text-encoder training) lately"
-        )
-    text = (
-        f"estimate   {e.seconds:.0f} s ({e.seconds / 3600:.2f} GPU-hours) at"
-        f" {e.seconds_per_step:.3f} s/step, the median of {e.samples} machines' finished jobs"
-        " of this shape"
-    )
-    if e.price_per_gpu_hour:
-        text += f"\ncost       ${e.dollars:.2f} at ${e.price_per_gpu_hour:.2f}/GPU-hour"
-    if e.spend_limit_dollars:
-        text += f"\nlimit      ${e.spent_dollars:.2f} spent of ${e.spend_limit_dollars:.2f}"
-    return text
-
-
-def print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, default=str))
-
-
-def describe_job(job: Job) -> str:
-    p = job.progress
-    lines = [
-        f"job        {job.job_id}",
-        f"state      {job.state.value}" + (f" ({job.error})" if job.error else ""),
-        # A queued job that has had an attempt says why it waits (issue 32: an input fault
-        # one SaladCloud machine reported waits for a second machine's word, with no error).
-        *([f"waiting    {job.waiting_reason}"] if job.waiting_reason else []),
-        f"progress   step {p.step}/{p.max_steps}"
-        + (f", loss {p.loss:.4f}" if p.loss is not None else "")
-        + (f", {p.seconds_per_step:.2f} s/step" if p.seconds_per_step else "")
-        + (f", ETA {p.eta_seconds:.0f} s" if p.eta_seconds and not job.state.terminal else ""),
-        f"attempts   {job.epoch} (failures {job.failures} of {job.spec.max_failures};"
-        f" not the job's fault {job.node_faults} of {job.max_node_faults})",
-        f"machine    {job.machine_id or '-'}",
-        f"checkpoint {job.latest_checkpoint.step if job.latest_checkpoint else '-'}",
-        f"result     {job.result.key if job.result else '-'}"
-        + (f"\n           {job.result.kohya.key}" if job.result and job.result.kohya else ""),
-        # Billed node time, as `report` says it: a CPU worker's seconds are not GPU time.
-        f"node time  {job.gpu_seconds or 0:.0f} s (billed)",
-        f"prompt     {job.spec.instance_prompt!r} on {job.spec.instance_data_prefix}",
-        # The family the fleet trains it as (auto resolved): a user of several families sees
-        # which one a job is, and which pipeline its result loads in.
-        f"model      {job.spec.family} {job.spec.base_model}",
-        f"created    {job.created_at:%Y-%m-%d %H:%M:%S} ({_age(job.created_at)})",
-    ]
-    if job.spec.labels:
-        lines.append("labels     " + ", ".join(f"{k}={v}" for k, v in job.spec.labels.items()))
-    return "\n".join(lines)
-
-
-def describe_event(event: JobEvent) -> str:
-    parts = [f"{event.at:%H:%M:%S}", f"{event.kind.value:<21}"]
-    if event.machine_id:
-        parts.append(f"machine={event.machine_id}")
-    if event.epoch:
-        parts.append(f"epoch={event.epoch}")
-    if event.step:
-        parts.append(f"step={event.step}")
-    if event.loss:
-        parts.append(f"loss={event.loss:.4f}")
-    if event.message:
-        parts.append(event.message)
-    return "  ".join(parts)
-
-
-async def _read_images(
-    client: AsyncClient, *, folder: str | None, zip_file: str | None, url: str | None
-) -> list[TrainingFile]:
-    """The checked files of whichever of --images, --images-zip, --images-url was given."""
-    skipped: list[str] = []
-    if folder:
-        files = await asyncio.to_thread(read_folder, folder, skipped=skipped)
-        _say_skipped(folder, skipped)
-        return files
-    if zip_file:
-        files = await asyncio.to_thread(read_zip, zip_file, skipped=skipped)
-        _say_skipped(zip_file, skipped)
-        return files
-    assert url
-    data = await fetch_zip(url, allow_http_loopback=_allow_http_loopback())
-    files = await asyncio.to_thread(read_zip, data, field="images_url", name=url, skipped=skipped)
-    _say_skipped(url, skipped)
-    return files
-
-
-def _say_skipped(source: str, skipped: list[str]) -> None:
-    """One line on stderr naming the files left out (neither an image nor a caption), so a
-    `notes.pdf` among the photos is never dropped in silence; stdout stays the command's
-    output (`--json`)."""
-    if not skipped:
-        return
-    names = ", ".join(skipped[:10]) + (
-        f" (and {len(skipped) - 10} more)" if len(skipped) > 10 else ""
-    )
-    kinds = ", ".join(IMAGE_SUFFIXES)
-    print(
-        f"note: skipped {len(skipped)} file(s) in {source} that are neither images ({kinds})"
-        f" nor .txt captions: {names}",
-        file=sys.stderr,
-    )
-
-
-def _allow_http_loopback() -> bool:
-    # Testing only: lets --images-url fetch plain http from a loopback address.
-    return os.environ.get("LORAFLEET_ALLOW_HTTP_LOOPBACK_URLS", "") == "1"
-
-
-def family_from_local_model(spec: dict[str, Any], *, where: str = "") -> str | None:
-    """With `model_family` auto, a `base_model` folder that is on this machine (as on `lorafleet
-    up`, where the workers read the same folder) names its own family in its model_index.json:
-    the spec takes it. Otherwise the scheduler would take an unknown local model for sdxl and
-    the worker fail the job once it loaded it. A family named that the folder contradicts, or a
-    pipeline lorafleet refuses, is refused here, naming base_model, before anything is uploaded.
-    Returns a note for the user when it filled the family in."""
-    base_model = str(spec.get("base_model") or "")
-    index = Path(base_model) / "model_index.json"
-    if base_model and not os.path.isabs(base_model) and index.is_file():
-        # `--base-model flux` beside a folder `flux` was taken for a hub id and failed on the
-        # worker: a model folder here is meant, and it needs its absolute path.
-        raise InvalidArgument(
-            f"{where}base_model",
-            f"{base_model!r} is a model folder here, but the workers need its absolute path"
-            f" (a relative one reads as a hub id): {Path(base_model).resolve()}",
-        )
-    if not os.path.isabs(base_model) or not index.is_file():
-        return None  # a hub id, or a folder only the workers have: the worker checks it
-    try:
-        pipeline = str(json.loads(index.read_text()).get("_class_name", ""))
-    except (OSError, ValueError, AttributeError):
-        return None  # the worker names what is wrong with it
-    if pipeline in REFUSED_PIPELINES:
-        raise InvalidArgument(f"{where}base_model", REFUSED_PIPELINES[pipeline])
-    family = PIPELINES.get(pipeline)
-    if family is None:
-        return None
-    named = str(spec.get("model_family") or "auto")
-    if named == "auto" and family == DEFAULT_FAMILY:
-        return None  # what auto takes it for already
-    if named == "auto":
-        spec["model_family"] = family
-        return (
-            f"note: {base_model} is a model of family {family} ({pipeline}): model_family {family}"
-        )
-    if named != family:
-        raise InvalidArgument(
-            f"{where}base_model",
-            f"{base_model!r} is a model of family {family} ({pipeline}) but model_family says"
-            f" {named};"
-            f" submit it with model_family {family}",
-        )
-    return None
-
-
-def _image_source(
-    folder: str | None, zip_file: str | None, url: str | None, *, where: str = ""
-) -> str | None:
-    """The name the upload prefix is derived from; refuses more than one source."""
-    given = [s for s in (folder, zip_file, url) if s]
-    if len(given) > 1:
-        raise InvalidArgument(
-            f"{where}images", "give only one of --images, --images-zip, --images-url"
-        )
-    if not given:
-        return None
-    name = given[0].rstrip("/").rsplit("/", 1)[-1].split("?", 1)[0]
-    return name.removesuffix(".zip") or "images"
-
-
 async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
     """Checks everything it can (spec, folders, zips, every image decodes) before uploading
     anything, then uploads, then submits."""
@@ -413,17 +85,17 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
             folder = document.pop("images", None)
             zip_file = document.pop("images_zip", None)
             url = document.pop("images_url", None)
-            source = _image_source(folder, zip_file, url, where=f"batch[{i}].")
+            source = image_source(folder, zip_file, url, where=f"batch[{i}].")
             if note := family_from_local_model(document, where=f"batch[{i}]."):
                 print(f"batch[{i}]: {note}", file=sys.stderr)
             if source:
-                document.setdefault("instance_data_prefix", _upload_prefix(source))
+                document.setdefault("instance_data_prefix", upload_prefix(source))
             try:
                 build_spec(document)
             except InvalidArgument as exc:
                 raise InvalidArgument(f"batch[{i}].{exc.field}", exc.reason) from None
             if source:
-                files = await _read_images(client, folder=folder, zip_file=zip_file, url=url)
+                files = await read_images(client, folder=folder, zip_file=zip_file, url=url)
                 uploads.append((document["instance_data_prefix"], files))
             specs.append(document)
     else:
@@ -431,14 +103,14 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
         spec = spec_from_args(args, base)
         if note := family_from_local_model(spec):
             print(note, file=sys.stderr)
-        source = _image_source(args.images, args.images_zip, args.images_url)
+        source = image_source(args.images, args.images_zip, args.images_url)
         if source:
-            spec.setdefault("instance_data_prefix", args.prefix or _upload_prefix(source))
+            spec.setdefault("instance_data_prefix", args.prefix or upload_prefix(source))
         if args.class_images:
-            spec.setdefault("class_data_prefix", _upload_prefix(Path(args.class_images).name))
+            spec.setdefault("class_data_prefix", upload_prefix(Path(args.class_images).name))
         build_spec(spec)  # the scheduler's own checks, before anything is uploaded
         if source:
-            files = await _read_images(
+            files = await read_images(
                 client, folder=args.images, zip_file=args.images_zip, url=args.images_url
             )
             uploads.append((spec["instance_data_prefix"], files))
@@ -447,7 +119,7 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
             class_files = await asyncio.to_thread(
                 read_folder, args.class_images, field="class_images", skipped=skipped
             )
-            _say_skipped(args.class_images, skipped)
+            say_skipped(args.class_images, skipped)
             uploads.append((spec["class_data_prefix"], class_files))
         specs = [spec]
     if args.estimate:
@@ -472,34 +144,6 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
     if args.watch and len(jobs) == 1:
         return await watch(client, jobs[0].job_id, as_json=args.json)
     return 0
-
-
-def _upload_prefix(name: str) -> str:
-    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
-    return f"{safe.strip('.') or 'images'}-{uuid.uuid4().hex[:8]}"
-
-
-def watch_columns() -> tuple[Any, ...]:
-    """The watch bar. The ETA is the job's own (`progress.eta_seconds`, from the worker's
-    measured s/step), not rich's guess from how fast the bar moved on this screen."""
-    from rich.progress import BarColumn, TextColumn
-
-    return (
-        TextColumn("[bold]{task.fields[state]}"),
-        BarColumn(),
-        TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[sps]} s/step"),
-        TextColumn("ETA {task.fields[eta]}"),
-    )
-
-
-def format_eta(job: Job) -> str:
-    eta = job.progress.eta_seconds
-    if job.state.terminal or job.state is not JobState.RUNNING or not eta:
-        return "-"
-    seconds = round(eta)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 async def watch(client: AsyncClient, job_id: str, *, as_json: bool) -> int:
@@ -571,7 +215,8 @@ async def list_jobs(client: AsyncClient, args: argparse.Namespace) -> int:
         step = f"{job.progress.step}/{job.progress.max_steps}"
         labels = ",".join(f"{k}={v}" for k, v in job.spec.labels.items())
         print(
-            f"{job.job_id:36}  {job.state.value:9}  {step:>11}  {_age(job.created_at):>9}  {labels}"
+            f"{job.job_id:36}  {job.state.value:9}  {step:>11}"
+            f"  {format_age(job.created_at):>9}  {labels}"
         )
     return 0
 
@@ -596,25 +241,6 @@ async def events(client: AsyncClient, args: argparse.Namespace) -> int:
         for event in timeline:
             print(describe_event(event))
     return 0
-
-
-def load_hint(job_id: str, spec: JobSpec, out: Path, fmt: str) -> str:
-    """How the downloaded result loads, in the job's family's own pipeline. diffusers reads
-    FLUX.1's kohya layout only for some layers (lorafleet.worker.training.families.flux): that
-    file is for ComfyUI, and the hint says so rather than show a call that fails."""
-    family = spec.family
-    pipeline = next(name for name, of in PIPELINES.items() if of == family)
-    if family == "flux" and fmt == "kohya":
-        return "it is for ComfyUI's LoRA loader" + (
-            f" (in diffusers, load its diffusers file: lorafleet download {job_id}"
-            " --format diffusers)"
-            if spec.output_format == "both"
-            else " (in diffusers, load a job's diffusers file: output_format diffusers or both)"
-        )
-    return (
-        f"load it with:\n  pipe = {pipeline}.from_pretrained({spec.base_model!r})\n"
-        f"  pipe.load_lora_weights({str(out.parent)!r}, weight_name={out.name!r})"
-    )
 
 
 async def download(client: AsyncClient, args: argparse.Namespace) -> int:

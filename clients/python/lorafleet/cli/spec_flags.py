@@ -1,0 +1,113 @@
+"""The job spec from the command line: a flag per JobSpec field, and the file they override.
+
+Every JobSpec field is a flag (`--learning-rate 2e-4`, `--train-text-encoder`,
+`--label team=a`), built from its declaration in core/spec.py (type, choices, help, default) so
+that no option can be forgotten; a YAML or JSON file (`--spec job.yaml`) gives the same fields,
+and flags override it.
+
+Apart from the commands because it maps core/spec.py's declarations to argparse and back, a
+concern of its own: the commands only add its flags and read back the spec they give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lorafleet.core.errors import InvalidArgument
+from lorafleet.core.spec import SPEC_FIELD, SPEC_FIELDS, SpecField
+
+
+def _spec_help(f: SpecField) -> str:
+    """A flag's help: the field's declared help and its default."""
+    shown = f.shown_default
+    text = f.help if shown is None else f"{f.help} (default: {shown})"
+    return text.replace("%", "%%")
+
+
+def _int_or(zero: str) -> Callable[[str], int]:
+    """An int flag's parser; `zero` (e.g. "auto") stands for 0."""
+
+    def parse(text: str) -> int:
+        return 0 if zero and text == zero else int(text)
+
+    parse.__name__ = "int"  # argparse names the type in its error: "invalid int value"
+    return parse
+
+
+def add_spec_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per JobSpec field, from its declaration in core/spec.py: type, choices, help."""
+    group = parser.add_argument_group("job spec (any field of lorafleet.jobs.v1.JobSpec)")
+    for f in SPEC_FIELDS:
+        if f.name in ("labels", "webhook_url", "webhook_events"):
+            continue  # their own flags, after the loop
+        flag, dest, help_text = f.flag, f"spec_{f.name}", _spec_help(f)
+        if f.kind == "choice":
+            group.add_argument(flag, dest=dest, choices=f.choices, help=help_text)
+        elif f.kind == "texts":
+            # e.g. --validation-prompts "..." --validation-prompts "...": once per value.
+            group.add_argument(flag, dest=dest, action="append", metavar="TEXT", help=help_text)
+        elif f.kind == "bool":
+            group.add_argument(
+                flag,
+                dest=dest,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
+        elif f.kind == "int":
+            metavar = f"N|{f.zero}" if f.zero else "N"
+            group.add_argument(
+                flag, dest=dest, type=_int_or(f.zero), metavar=metavar, help=help_text
+            )
+        elif f.kind == "float":
+            group.add_argument(flag, dest=dest, type=float, metavar="X", help=help_text)
+        else:
+            group.add_argument(flag, dest=dest, metavar="TEXT", help=help_text)
+    labels, url, events = (SPEC_FIELD[n] for n in ("labels", "webhook_url", "webhook_events"))
+    group.add_argument(
+        labels.flag, action="append", default=[], metavar="KEY=VALUE", help=_spec_help(labels)
+    )
+    group.add_argument(url.flag, help=_spec_help(url))
+    group.add_argument(
+        events.flag,
+        action="append",
+        default=[],
+        choices=events.choices,
+        help=_spec_help(events),
+    )
+
+
+def parse_labels(pairs: list[str], field: str = "label") -> dict[str, str]:
+    labels = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise InvalidArgument(field, f"expected KEY=VALUE, got {pair!r}")
+        labels[key] = value
+    return labels
+
+
+def load_document(path: Path) -> Any:
+    text = path.read_text()
+    return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+
+
+def spec_from_args(args: argparse.Namespace, base: Mapping[str, Any] | None) -> dict[str, Any]:
+    spec = dict(base or {})
+    for key, value in vars(args).items():
+        if key.startswith("spec_") and value is not None:
+            spec[key.removeprefix("spec_")] = value
+    if args.label:
+        spec["labels"] = {**spec.get("labels", {}), **parse_labels(args.label)}
+    if args.webhook_url or args.webhook_event:
+        # The flags replace a file's webhook, whichever way the file says it.
+        spec.pop("webhook_url", None)
+        spec.pop("webhook_events", None)
+        spec["webhook"] = {"url": args.webhook_url or "", "events": args.webhook_event}
+    return spec
