@@ -292,10 +292,15 @@ def test_flux_encodes_each_prompt_with_t5_once_while_clip_trains(
     model = models["flux"]
     outcome, _ = run(
         model,
-        family_spec("flux", model, max_train_steps=3, train_text_encoder=True),
+        family_spec(
+            "flux", model, max_train_steps=3, train_text_encoder=True, output_format="both"
+        ),
     )
-    assert isinstance(outcome, Finished)
+    assert isinstance(outcome, Finished) and outcome.kohya_weights is not None
     assert calls == {"t5": 1, "clip": 3}
+    # ComfyUI names CLIP-L's layers as kohya does, under `text_model`.
+    text = [k for k in safetensors.torch.load(outcome.kohya_weights) if k.startswith("lora_te1_")]
+    assert text and all(k.startswith("lora_te1_text_model_encoder_layers_") for k in text)
     tensors = safetensors.torch.load(outcome.lora_weights)
     assert any(k.startswith("text_encoder.") for k in tensors)
     assert not any(k.startswith("text_encoder_2.") for k in tensors)

@@ -59,7 +59,7 @@ PINNED: dict[str, tuple[dict[str, Any], float, FilePin, FilePin | None]] = {
             (3.574271, 46.230411, 8.792816, 9.310747),
         ),
         (
-            "d52674c90a0f5cfc6cbaebc00b21f005429d895b45bc73fe0e75354741100056",
+            "99d8b07183c35b370fcd9a98f9b406cee25f6587281e103ef0f5745c36ae455d",
             (42.257911, 12.582824, 10.13972, -25.665449),
         ),
     ),
@@ -120,3 +120,8 @@ def test_sdxl_trains_what_it_trained_before_families(train: TrainFn, case: str) 
     assert (outcome.kohya_weights is None) == (kohya_pin is None)
     if outcome.kohya_weights is not None and kohya_pin is not None:
         assert_pinned(outcome.kohya_weights, kohya_pin)
+        # ComfyUI and kohya name both CLIP encoders' layers under `text_model`.
+        text = [k for k in safetensors.torch.load(outcome.kohya_weights) if k.startswith("lora_te")]
+        assert text and all(
+            k.startswith(("lora_te1_text_model_", "lora_te2_text_model_")) for k in text
+        )

@@ -172,3 +172,11 @@ class Family:
     def sample_arguments(self, *, negative_prompt: str, guidance_scale: float) -> dict[str, Any]:
         """Pipeline keyword arguments for one image besides prompt, size, steps, generator."""
         return {"guidance_scale": guidance_scale}
+
+
+def clip_kohya_path(path: str) -> str:
+    """A CLIP text encoder's module path as kohya sd-scripts and ComfyUI name it
+    (`lora_te1_text_model_encoder_layers_0_...`): under `text_model`, a level that transformers
+    5's `CLIPTextModel` dropped (`CLIPTextModelWithProjection` keeps it). Without it ComfyUI
+    leaves the text encoder's half of the LoRA unloaded."""
+    return path if path.startswith("text_model.") else f"text_model.{path}"

@@ -27,7 +27,7 @@ from lorafleet.worker.training.base_model import (
     transformers,
     weights,
 )
-from lorafleet.worker.training.families.base import Components, StepContext
+from lorafleet.worker.training.families.base import Components, StepContext, clip_kohya_path
 from lorafleet.worker.training.families.flow import (
     FlowMatching,
     guidance_for,
@@ -215,8 +215,13 @@ class Flux(FlowMatching):
         linear layer of its Flux model. (diffusers' converter of this layout covers attention
         layers only; its kohya sd-scripts converter only FLUX.1-dev's full size: use the
         diffusers file there.)"""
+        states = dict(peft_states)
+        if "text_encoder" in states:
+            states["text_encoder"] = {
+                clip_kohya_path(key): tensor for key, tensor in states["text_encoder"].items()
+            }
         return kohya_layout(
-            peft_states, alphas, {"transformer": "lora_transformer", "text_encoder": "lora_te1"}
+            states, alphas, {"transformer": "lora_transformer", "text_encoder": "lora_te1"}
         )
 
     def sampling_pipeline(self, components: Components) -> Any:

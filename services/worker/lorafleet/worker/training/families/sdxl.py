@@ -26,7 +26,12 @@ from lorafleet.worker.training.base_model import (
     transformers,
     weights,
 )
-from lorafleet.worker.training.families.base import Components, Family, StepContext
+from lorafleet.worker.training.families.base import (
+    Components,
+    Family,
+    StepContext,
+    clip_kohya_path,
+)
 from lorafleet.worker.training.objective import (
     draw_noise,
     dreambooth_loss,
@@ -209,7 +214,7 @@ class Sdxl(Family):
         from lorafleet.worker.training.lora import convert_state_dict_to_kohya
 
         flat = {
-            f"{prefix}.{key}": tensor
+            f"{prefix}.{key if prefix == 'unet' else clip_kohya_path(key)}": tensor
             for prefix, state in peft_states.items()
             for key, tensor in state.items()
         }
