@@ -126,6 +126,7 @@ def test_every_field_survives_a_round_trip() -> None:
         mode_scale=1.0,
         model_family="flux2",
         train_text_encoder=False,
+        validation_negative_prompt="",  # klein's pipeline takes none
     )
     assert spec_from_proto(spec_to_proto(moded)) == moded
 
@@ -313,3 +314,14 @@ def test_each_declared_bound_is_checked(field: SpecField) -> None:
         with pytest.raises(InvalidArgument) as caught:
             _valid(**context, **{field.name: value_type(bad)})
         assert caught.value.field == field.name
+
+
+def test_a_flux2_job_refuses_a_validation_negative_prompt() -> None:
+    """Flux2KleinPipeline takes no negative prompt: refused at submit, naming the field, never a
+    sample task that fails on the fleet (INTERNAL, re-queued, its machines banned)."""
+    flux2 = {"model_family": "flux2", "base_model": "/models/klein"}
+    with pytest.raises(InvalidArgument) as caught:
+        _valid(**flux2, validation_prompt="a dog", validation_negative_prompt="blurry")
+    assert caught.value.field == "validation_negative_prompt"
+    _valid(**flux2, validation_prompt="a dog")
+    _valid(model_family="flux", base_model="/models/flux", validation_negative_prompt="blurry")

@@ -322,6 +322,25 @@ def test_a_model_of_another_family_fails_as_the_jobs_input_naming_base_model(
         assert f"model_family {family}" in message
 
 
+def test_a_vae_or_guidance_the_model_cannot_use_fails_as_the_jobs_input(
+    models: dict[str, Path],
+) -> None:
+    """Named before any step: another family's VAE (`vae_model`), and a guidance scale for a
+    transformer without a guidance embedding (klein's), which would otherwise change nothing."""
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        ("flux", {"vae_model": str(models["flux2"] / "vae")}, "vae_model:"),
+        ("flux", {"vae_model": str(models["sdxl"] / "vae")}, "vae_model:"),
+        ("sdxl", {"vae_model": str(models["flux2"] / "vae")}, "vae_model:"),
+        ("flux2", {"guidance_scale": 3.5}, "guidance_scale:"),
+    ]
+    for family, overrides, named in cases:
+        model = models[family]
+        with pytest.raises(TrainingFailure) as refused:
+            run(model, family_spec(family, model, max_train_steps=1, **overrides))
+        assert refused.value.failure_class is FailureClass.INPUT, (family, overrides)
+        assert str(refused.value).startswith(named), str(refused.value)
+
+
 def test_flux2_prompts_are_encoded_as_its_pipeline_encodes_them(
     models: dict[str, Path],
 ) -> None:

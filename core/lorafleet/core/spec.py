@@ -903,6 +903,8 @@ def _check_family(spec: JobSpec) -> None:
             "FLUX.2 [klein]'s text encoder is a Qwen3 language model that stays frozen;"
             " lorafleet trains the transformer only",
         )
+    if family == "flux2" and spec.validation_negative_prompt:
+        raise InvalidArgument("validation_negative_prompt", FLUX2_NEGATIVE_PROMPT)
     for name, scheme in (
         ("logit_mean", "logit_normal"),
         ("logit_std", "logit_normal"),
@@ -910,6 +912,10 @@ def _check_family(spec: JobSpec) -> None:
     ):
         if getattr(spec, name) != SPEC_FIELD[name].default and spec.weighting_scheme != scheme:
             raise InvalidArgument(name, f"applies to weighting_scheme {scheme} only")
+
+
+# Flux2KleinPipeline takes no negative prompt text (only precomputed embeddings).
+FLUX2_NEGATIVE_PROMPT = "FLUX.2 [klein]'s pipeline takes no negative prompt; leave it empty"
 
 
 def _check_prompts(field_name: str, prompts: tuple[str, ...]) -> None:

@@ -27,7 +27,13 @@ from lorafleet.core.model import (
     upload_key,
 )
 from lorafleet.core.model_refs import check_model_ref_shape
-from lorafleet.core.spec import JobShape, JobSpec, check_path, check_sample_settings
+from lorafleet.core.spec import (
+    FLUX2_NEGATIVE_PROMPT,
+    JobShape,
+    JobSpec,
+    check_path,
+    check_sample_settings,
+)
 from lorafleet.ledger.ledger import Ledger, NewJob, ShapePace, WebhookDeliveryRecord
 from lorafleet.scheduler.notifications import Notifications
 from lorafleet.scheduler.paces import Pace
@@ -436,6 +442,8 @@ class JobHandler:
         if job.state is not JobState.SUCCEEDED or job.result is None:
             raise FailedPrecondition(f"job {job_id} has no result yet (state {job.state.value})")
         spec = job.spec
+        if negative_prompt and spec.family == "flux2":
+            raise InvalidArgument("negative_prompt", FLUX2_NEGATIVE_PROMPT)
         settings = SampleSettings(
             prompts=tuple(prompts) or spec.sample_prompts,
             negative_prompt=negative_prompt or spec.validation_negative_prompt,

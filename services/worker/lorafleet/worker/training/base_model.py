@@ -183,6 +183,12 @@ def load_vae(config: TrainingConfig, frozen: torch.dtype, vae_class: Any) -> Any
     except Exception as exc:
         raise_if_missing_repo(exc, field, ref)
         raise
+    named = vae_config.get("_class_name")
+    if named is not None and named != vae_class.__name__:
+        raise input_fault(
+            f"{field}: {ref!r} holds an {named}; this model's family needs an"
+            f" {vae_class.__name__} (a VAE of the same family)"
+        )
     dtype = frozen
     if frozen == torch.float16 and vae_config.get("force_upcast", True):
         dtype = torch.float32

@@ -125,12 +125,28 @@ class FlowMatching(Family):
     encoders_stay_on_device = False
 
     def check(self, config: TrainingConfig, components: Components) -> None:
-        """The latents are packed in 2x2 patches: the image side must divide into them."""
+        """The latents are packed in 2x2 patches: the image side must divide into them, and the
+        VAE's channels into the transformer's input. A guidance scale needs a transformer with a
+        guidance embedding (FLUX.1 dev's; not schnell's nor klein's): never silently unused."""
+        spec = config.spec
         multiple = vae_scale_factor(components) * 2
-        if config.spec.resolution % multiple:
+        if spec.resolution % multiple:
             raise input_fault(
                 f"resolution: {self.name} needs a multiple of {multiple} pixels"
-                f" (got {config.spec.resolution})"
+                f" (got {spec.resolution})"
+            )
+        channels = components.vae.config.latent_channels * 4
+        if channels != components.denoiser.config.in_channels:
+            field = "base_model" if config.vae_ref is None else "vae_model"
+            raise input_fault(
+                f"{field}: the VAE's {channels // 4} latent channels do not fit the"
+                f" transformer's {components.denoiser.config.in_channels} inputs (2x2 patches):"
+                " a VAE of another model"
+            )
+        if spec.guidance_scale and not components.denoiser.config.guidance_embeds:
+            raise input_fault(
+                "guidance_scale: this model's transformer has no guidance embedding (it is not"
+                " guidance-distilled), so the scale would change nothing; leave it 0"
             )
 
     def draw(

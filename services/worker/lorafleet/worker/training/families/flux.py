@@ -27,6 +27,7 @@ from lorafleet.worker.training.base_model import (
     transformers,
     weights,
 )
+from lorafleet.worker.training.failures import input_fault
 from lorafleet.worker.training.families.base import Components, StepContext, clip_kohya_path
 from lorafleet.worker.training.families.flow import (
     FlowMatching,
@@ -115,6 +116,14 @@ class Flux(FlowMatching):
             noise_scheduler=noise_scheduler,
             sampler_config=sampler_config,
         )
+
+    def check(self, config: TrainingConfig, components: Components) -> None:
+        """Besides the flow families' rules: FLUX.1's latents are shifted by the VAE's
+        shift_factor, which SDXL's VAE (the same class) lacks."""
+        super().check(config, components)
+        if components.vae.config.get("shift_factor") is None:
+            field = "base_model" if config.vae_ref is None else "vae_model"
+            raise input_fault(f"{field}: the VAE has no shift_factor: not a FLUX.1 VAE")
 
     def denoiser_targets(self, denoiser: Any) -> tuple[str, ...]:
         return TRANSFORMER_TARGET_MODULES

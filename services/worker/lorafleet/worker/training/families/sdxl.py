@@ -26,6 +26,7 @@ from lorafleet.worker.training.base_model import (
     transformers,
     weights,
 )
+from lorafleet.worker.training.failures import input_fault
 from lorafleet.worker.training.families.base import (
     Components,
     Family,
@@ -97,6 +98,16 @@ class Sdxl(Family):
             noise_scheduler=noise_scheduler,
             sampler_config=sampler_config,
         )
+
+    def check(self, config: TrainingConfig, components: Components) -> None:
+        """The VAE's latent channels are the UNet's input (a FLUX.1 VAE has 16, SDXL's 4)."""
+        channels = components.vae.config.latent_channels
+        if channels != components.denoiser.config.in_channels:
+            field = "base_model" if config.vae_ref is None else "vae_model"
+            raise input_fault(
+                f"{field}: the VAE's {channels} latent channels do not fit the UNet's"
+                f" {components.denoiser.config.in_channels} inputs: a VAE of another model"
+            )
 
     def denoiser_targets(self, denoiser: Any) -> tuple[str, ...]:
         return UNET_TARGET_MODULES
