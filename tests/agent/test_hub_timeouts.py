@@ -88,9 +88,10 @@ async def test_a_hub_that_never_answers_fails_the_download_in_bounded_time(
         stderr=subprocess.PIPE,
     )
     # Six tries of 1 s and huggingface_hub's backoff between them (1+2+4+8+8 s), and imports
-    # on a loaded machine; without the bound, the first retry alone waits 60 s.
+    # on a loaded machine (124 s beside another suite); without the bound, each of the six
+    # tries alone waits 60 s.
     try:
-        stdout, stderr = await asyncio.wait_for(proc.communicate(), 150)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 240)
     finally:
         if proc.returncode is None:  # timed out: the process is this test's to end
             proc.kill()
@@ -99,4 +100,4 @@ async def test_a_hub_that_never_answers_fails_the_download_in_bounded_time(
     assert proc.returncode == 0, stderr.decode()[-3000:]
     said = stdout.decode()
     assert said.startswith("NODE ") and "no connection to the Hugging Face hub" in said, said
-    assert took < 120, f"took {took:.0f} s"
+    assert took < 200, f"took {took:.0f} s"

@@ -14,7 +14,8 @@ from lorafleet.scaler.ec2 import FLEET_TAG, Ec2Config, Ec2SpotProvider
 from lorafleet.scaler.provider import InstanceState, ProviderError, ProviderRejected
 
 # moto's EC2 backend takes seconds a call: slow, not in the fast lane (README, Development).
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+# moto's server starts in a subprocess: beside another suite that took over 60 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 REGION = "us-east-1"
 
