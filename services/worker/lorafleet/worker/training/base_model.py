@@ -177,7 +177,7 @@ def load_vae(config: TrainingConfig, frozen: torch.dtype, vae_class: Any) -> Any
     overflows (`force_upcast`, as SDXL's)."""
     common = load_kwargs(config)
     ref, subfolder = (config.model_ref, "vae") if config.vae_ref is None else (config.vae_ref, None)
-    field = "base_model" if config.vae_ref is None else "vae_model"
+    field = config.vae_field
     try:
         vae_config = vae_class.load_config(ref, subfolder=subfolder, **common)
     except Exception as exc:

@@ -87,6 +87,11 @@ class TrainingConfig:
     def vae_ref(self) -> str | None:
         return self.vae_path or self.spec.vae_model or None
 
+    @property
+    def vae_field(self) -> str:
+        """The spec field a fault of the VAE names: its own, or the base model it came with."""
+        return "base_model" if self.vae_ref is None else "vae_model"
+
 
 @dataclass(frozen=True, kw_only=True)
 class Runtime:

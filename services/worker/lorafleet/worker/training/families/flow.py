@@ -137,9 +137,8 @@ class FlowMatching(Family):
             )
         channels = components.vae.config.latent_channels * 4
         if channels != components.denoiser.config.in_channels:
-            field = "base_model" if config.vae_ref is None else "vae_model"
             raise input_fault(
-                f"{field}: the VAE's {channels // 4} latent channels do not fit the"
+                f"{config.vae_field}: the VAE's {channels // 4} latent channels do not fit the"
                 f" transformer's {components.denoiser.config.in_channels} inputs (2x2 patches):"
                 " a VAE of another model"
             )

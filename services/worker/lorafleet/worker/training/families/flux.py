@@ -122,8 +122,7 @@ class Flux(FlowMatching):
         shift_factor, which SDXL's VAE (the same class) lacks."""
         super().check(config, components)
         if components.vae.config.get("shift_factor") is None:
-            field = "base_model" if config.vae_ref is None else "vae_model"
-            raise input_fault(f"{field}: the VAE has no shift_factor: not a FLUX.1 VAE")
+            raise input_fault(f"{config.vae_field}: the VAE has no shift_factor: not a FLUX.1 VAE")
 
     def denoiser_targets(self, denoiser: Any) -> tuple[str, ...]:
         return TRANSFORMER_TARGET_MODULES

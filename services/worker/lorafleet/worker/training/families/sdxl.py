@@ -103,9 +103,8 @@ class Sdxl(Family):
         """The VAE's latent channels are the UNet's input (a FLUX.1 VAE has 16, SDXL's 4)."""
         channels = components.vae.config.latent_channels
         if channels != components.denoiser.config.in_channels:
-            field = "base_model" if config.vae_ref is None else "vae_model"
             raise input_fault(
-                f"{field}: the VAE's {channels} latent channels do not fit the UNet's"
+                f"{config.vae_field}: the VAE's {channels} latent channels do not fit the UNet's"
                 f" {components.denoiser.config.in_channels} inputs: a VAE of another model"
             )
 
