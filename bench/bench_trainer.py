@@ -96,7 +96,7 @@ NF4_CONFIG = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
 
 # Runs the reference script with its progress bar timestamped. argv: script, times.json, args...
 _HARNESS = """
-import json, runpy, sys, time
+import json, os, runpy, sys, time
 import tqdm.auto
 
 times = []
@@ -108,7 +108,7 @@ class TimedTqdm(tqdm.auto.tqdm):
         return super().update(n)
 
 tqdm.auto.tqdm = TimedTqdm
-peak = None
+peak = reserved = None
 
 
 def peak_rss():
@@ -132,13 +132,20 @@ if shim:
     sys.path.insert(0, shim)
 script, out = sys.argv[1], sys.argv[2]
 sys.argv = [script, *sys.argv[3:]]
+# --memory-cap-gib: the same cap as lorafleet's run.
+if "LORAFLEET_BENCH_MEMORY_CAP_GIB" in os.environ:
+    cap = float(os.environ["LORAFLEET_BENCH_MEMORY_CAP_GIB"]) * 2**30
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
 try:
     runpy.run_path(script, run_name="__main__")
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated()
+        reserved = torch.cuda.max_memory_reserved()
 finally:
     with open(out, "w") as f:
-        json.dump({{"times": times, "peak_gpu_bytes": peak, "peak_rss_bytes": peak_rss()}}, f)
+        json.dump({{"times": times, "peak_gpu_bytes": peak, "peak_gpu_reserved_bytes": reserved,
+                   "peak_rss_bytes": peak_rss()}}, f)
 """
 
 # The torchvision surface the reference script uses, on PIL.
@@ -147,6 +154,38 @@ _SHIM_FILES = {
     "torchvision/transforms/functional.py": """
 def crop(img, top, left, height, width):
     return img.crop((left, top, left + width, top + height))
+
+
+# The klein script's dataset calls the functional forms; they reuse the classes below.
+def resize(img, size, interpolation=None):
+    from . import _PIL, InterpolationMode
+
+    height, width = size  # the klein script passes [height, width]
+    return img.resize((width, height), _PIL[interpolation or InterpolationMode.BILINEAR])
+
+
+def center_crop(img, size):
+    from . import CenterCrop
+
+    return CenterCrop(size)(img)
+
+
+def hflip(img):
+    from PIL import Image
+
+    return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+
+
+def to_tensor(pic):
+    from . import ToTensor
+
+    return ToTensor()(pic)
+
+
+def normalize(tensor, mean, std):
+    from . import Normalize
+
+    return Normalize(mean, std)(tensor)
 """,
     "torchvision/transforms/__init__.py": """
 import enum
@@ -268,6 +307,12 @@ class Result:
     first_step_s: float | None = None
     # On CUDA: the run's peak of torch.cuda.max_memory_allocated.
     peak_gpu_bytes: int | None = None
+    # On CUDA: torch.cuda.max_memory_reserved, what the caching allocator held from the card
+    # (a node's fit needs this, plus the CUDA context, not the allocated peak).
+    peak_gpu_reserved_bytes: int | None = None
+    # lorafleet on CUDA: the allocated peak of each setup phase (Trainer's on_phase), the last
+    # phase's named "<phase>+train" as it runs on into the steps.
+    phase_peak_gpu_bytes: dict[str, int] | None = None
     # lorafleet only: how much longer than the median the steps that carry a checkpoint took
     # (the snapshot's whole cost, its copies on the GPU included; the script's stall is this).
     checkpoint_step_extra_s: float | None = None
@@ -281,6 +326,15 @@ class Result:
     preset: str = "tiny"
     base_quantization: str = "none"
     rank: int = 4
+
+
+_CAP_VARIABLE = "LORAFLEET_BENCH_MEMORY_CAP_GIB"
+
+
+def _cap_cuda_memory() -> None:
+    cap = float(os.environ[_CAP_VARIABLE]) * 2**30
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
 
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
@@ -441,6 +495,17 @@ def run_lorafleet(
     def on_progress(step: int, loss: float, lr: float, seconds: float) -> None:
         stamps.append((time.perf_counter(), time.thread_time()))
 
+    # On CUDA, each setup phase's own peak (allocated bytes), the steps' under "train": which
+    # phase sets a family's peak is what its memory estimate must follow.
+    phase_peaks: dict[str, int] = {}
+    phase = ["start"]
+
+    def on_phase(name: str) -> None:
+        if gpu:
+            phase_peaks[phase[0]] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        phase[0] = name
+
     if gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -455,7 +520,9 @@ def run_lorafleet(
     try:
         outcome = trainer.run(
             instance_images=inputs,
-            hooks=TrainingHooks(on_progress=on_progress, on_checkpoint=on_checkpoint),
+            hooks=TrainingHooks(
+                on_progress=on_progress, on_checkpoint=on_checkpoint, on_phase=on_phase
+            ),
         )
         for thread in uploads:
             thread.join()
@@ -463,7 +530,10 @@ def run_lorafleet(
         _WriteAudit.active = False
     wall = time.perf_counter() - started
     disk = _write_bytes() - written
-    peak = torch.cuda.max_memory_allocated() if gpu else None
+    if gpu:
+        phase_peaks[f"{phase[0]}+train"] = torch.cuda.max_memory_allocated()
+    peak = max(phase_peaks.values()) if gpu else None
+    reserved = torch.cuda.max_memory_reserved() if gpu else None
     peak_rss = _status_bytes("VmHWM") if rss_reset else None
     timings = trainer.timings
     del trainer  # its model and optimizer, before the next run measures its own peak
@@ -487,6 +557,8 @@ def run_lorafleet(
             write_opens=len(_WriteAudit.opens),
             first_step_s=timings.step_seconds[0],
             peak_gpu_bytes=peak,
+            peak_gpu_reserved_bytes=reserved,
+            phase_peak_gpu_bytes=phase_peaks or None,
             checkpoint_step_extra_s=_median_steps(extra),
             peak_rss_bytes=peak_rss,
             start_rss_bytes=start_rss,
@@ -640,6 +712,7 @@ def run_reference(
         lora_bytes=lora.stat().st_size if lora.exists() else 0,
         wall_s=wall,
         peak_gpu_bytes=recorded["peak_gpu_bytes"],
+        peak_gpu_reserved_bytes=recorded.get("peak_gpu_reserved_bytes"),
         peak_rss_bytes=recorded.get("peak_rss_bytes"),
         family=family,
         preset=preset,
@@ -704,7 +777,19 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also train lorafleet with compile_model (torch.compile); its warm-up is reported",
     )
+    parser.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        help="with --gpu: cap both trainers' CUDA allocator at this many GiB"
+        " (torch.cuda.set_per_process_memory_fraction), as on a smaller card: a run that needs"
+        " more fails out of memory",
+    )
     args = parser.parse_args(argv)
+    if args.memory_cap_gib:
+        if not args.gpu:
+            parser.error("--memory-cap-gib needs --gpu")
+        os.environ[_CAP_VARIABLE] = str(args.memory_cap_gib)
+        _cap_cuda_memory()
 
     family: Family = args.family
     preset: str = args.preset or (GPU_PRESETS[family] if args.gpu else "tiny")
@@ -848,6 +933,11 @@ def report(results: list[Result], blob_bytes: int) -> None:
             f" {wall:>7.1f} {peak}"
         )
     print(f"lorafleet checkpoint blob (serialised off-thread, TE run): {blob_bytes} bytes")
+    for r in results:
+        if r.phase_peak_gpu_bytes:
+            phases = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in r.phase_peak_gpu_bytes.items())
+            te = "yes" if r.text_encoder else "no"
+            print(f"{r.trainer} (TE {te}) peak GiB by phase: {phases}")
     opens = [r.write_opens for r in results if r.write_opens is not None]
     print(f"lorafleet Python-level opens for writing during its runs: {sum(opens)}")
 

@@ -11,23 +11,28 @@
 # of its models takes a call of its own: families (issue 33: FLUX.1-dev and FLUX.2 [klein] 4B /
 # 9B architectures, random bf16 weights, 1024 px, rank 16, batch 1, lorafleet against the
 # family's diffusers script; s/step and peak GPU memory for a bf16 and an nf4 base; one
-# JSON file a run, $OUT/family-<preset>-<base>-gc<0|1>.json). FAMILY_RUNS picks the runs, each
-# family/preset/base/gc (gc: 1 for gradient checkpointing in both trainers); runs of one preset
-# share its model, built on the GPU and deleted before the next preset's (the three do not fit
-# the 64 GiB disk together). The default is the two default jobs the 22 GiB goal is about:
+# JSON file a run, $OUT/family-<preset>-<base>-gc<0|1>[-cap<GiB>].json). FAMILY_RUNS picks the
+# runs, each family/preset/base/gc[/cap] (gc: 1 for gradient checkpointing in both trainers;
+# text encoders frozen, as in the default job; cap: both trainers' CUDA allocator capped at that
+# many GiB, as on a smaller card, so a run that needs more fails out of memory). Runs of one
+# preset share its model, built on the GPU and deleted before the next preset's (the three do
+# not fit the 64 GiB disk together). The default is the two default jobs the 22 GiB goal is
+# about (docs/BENCHMARKS.md, "Model families on a GPU"), the smaller first, each capped at 22 GiB:
 #
-#   FAMILY_RUNS="flux/flux-dev/nf4/1 flux2/klein-4b/none/0" bash bench/gpu_session.sh OUT families
+#   FAMILY_RUNS="flux2/klein-4b/none/1/22 flux/flux-dev/nf4/1/22" bash bench/gpu_session.sh OUT families
 #
 # and the rest, a call each: flux/flux-dev/none/1 (the FLUX.1 script has no quantized base: with
-# nf4 lorafleet runs alone), flux2/klein-4b/nf4/0, flux2/klein-9b/none/1 flux2/klein-9b/nf4/0.
+# nf4 lorafleet runs alone), flux2/klein-4b/none/0, flux2/klein-4b/nf4/0, flux2/klein-9b/none/1,
+# flux2/klein-9b/nf4/0.
 # FAMILY_STEPS (default 10) steps a run, a checkpoint at the middle one; FAMILY_TIMEOUT (default
 # 540) seconds for the whole section.
 #
 # Carried beside the tree (ignored by git, named in the call's `carry`): .whl/ the wheels the
-# image lacks or has too old (pip download --no-deps for cp312 manylinux: diffusers, transformers,
-# peft, protobuf, regex, opentelemetry api/sdk/semantic-conventions; for families' nf4 runs also
-# bitsandbytes), and .gpu/ diffusers' examples/dreambooth/train_dreambooth_lora_sdxl.py, the
-# reference trainer (for families also train_dreambooth_lora_flux.py and
+# image lacks or has too old (pip download --no-deps for cp312 manylinux: diffusers, peft,
+# opentelemetry api/sdk/semantic-conventions, importlib-metadata; for nf4 runs bitsandbytes, for
+# the fp8 tests torchao 0.17, the release for the image's torch 2.11; the image's transformers
+# 5.17 serves: carrying 5.23 too would pass the call's 64 MiB), and .gpu/ diffusers'
+# examples/dreambooth/train_dreambooth_lora_sdxl.py, the reference trainer (for families also train_dreambooth_lora_flux.py and
 # train_dreambooth_lora_flux2_klein.py, unmodified, from the same diffusers commit).
 set -uo pipefail
 out=${1:?OUT directory}
@@ -79,16 +84,22 @@ print(f'model built in {time.perf_counter() - started:.0f} s')
       ;;
     families)
       # One model at a time: build it on the GPU (random initialisation of 12 B parameters on
-      # the CPU takes many minutes), run bench_trainer once per base and gc, delete it.
+      # the CPU takes many minutes), run bench_trainer once per base and gc, delete it. A run
+      # or build that fails costs its own figures only. nvidia-smi samples the card's memory
+      # beside (the CUDA context and the allocator's slack included), $OUT/families-smi.csv.
+      nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 500 \
+        >"$out/families-smi.csv" 2>/dev/null &
+      smi=$!
       FAMILY_OUT=$out FAMILY_STEPS=${FAMILY_STEPS:-10} timeout "${FAMILY_TIMEOUT:-540}" bash -c '
         set -u
         built=""
-        for entry in ${FAMILY_RUNS:-flux/flux-dev/nf4/1 flux2/klein-4b/none/0}; do
-          IFS=/ read -r family preset base gc <<<"$entry"
-          model=/tmp/family-$preset
-          if [ "$built" != "$preset" ]; then
+        for entry in ${FAMILY_RUNS:-flux2/klein-4b/none/1/22 flux/flux-dev/nf4/1/22}; do
+          IFS=/ read -r family preset base gc cap <<<"$entry"
+          model=/tmp/family-$family-$preset
+          if [ "$built" != "$family-$preset" ]; then
             [ -n "$built" ] && rm -rf "/tmp/family-$built"
-            echo "== building $preset"
+            built=""
+            echo "== building $preset at $(date +%T)"
             '"$python"' -c "
 import time, torch
 from lorafleet.worker.tiny_model import build_tiny_model
@@ -96,21 +107,24 @@ started = time.perf_counter()
 with torch.device(\"cuda\"):
     build_tiny_model(\"$model\", family=\"$family\", preset=\"$preset\", weights_dtype=\"bf16\")
 print(f\"$preset built in {time.perf_counter() - started:.0f} s\")
-" || exit 1
-            built=$preset
+" || { echo "== $preset: build failed"; rm -rf "$model"; continue; }
+            built=$family-$preset
           fi
           script=.gpu/train_dreambooth_lora_flux.py
           [ "$family" = flux2 ] && script=.gpu/train_dreambooth_lora_flux2_klein.py
           flags=()
           [ "$gc" = 1 ] && flags+=(--gradient-checkpointing)
-          echo "== $family $preset base $base gc $gc"
+          [ -n "$cap" ] && flags+=(--memory-cap-gib "$cap")
+          echo "== $family $preset base $base gc $gc cap ${cap:-none} at $(date +%T)"
           '"$python"' bench/bench_trainer.py --gpu --family "$family" --preset "$preset" \
             --base-quantization "$base" --model-dir "$model" --steps "$FAMILY_STEPS" \
             --checkpoint-every $((FAMILY_STEPS / 2)) --repeats 1 --threads 0 \
-            --reference "$script" "${flags[@]}" \
-            --json-file "$FAMILY_OUT/family-$preset-$base-gc$gc.json"
+            --text-encoder frozen --reference "$script" "${flags[@]}" \
+            --json-file "$FAMILY_OUT/family-$preset-$base-gc$gc${cap:+-cap$cap}.json" \
+            || echo "== $family $preset base $base gc $gc: failed"
         done
       ' >"$out/bench_families.log" 2>&1
+      kill $smi 2>/dev/null
       ;;
     tests)
       # The root conftest needs the fleet's services (Postgres, gRPC); the trainer's tests need
@@ -134,6 +148,16 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_model: Path) -> Path:
     return tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dir() -> Path:
+    return build_tiny_model(Path(tempfile.mkdtemp()) / "tiny-flux", family="flux")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_dir() -> Path:
+    return build_tiny_model(Path(tempfile.mkdtemp()) / "tiny-flux2", family="flux2")
 
 
 @pytest.fixture(scope="module")
