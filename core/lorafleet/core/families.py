@@ -46,7 +46,8 @@ _WEIGHT_BYTES = {"nf4": 0.56, "fp8": 1.0, "none": 2.0}
 
 @dataclass(frozen=True, kw_only=True)
 class Variant:
-    """A public base model the scheduler can size: parameter counts in billions."""
+    """A public base model the scheduler can size: parameter counts in billions, activation
+    memory in GB per megapixel of one image (docs/BENCHMARKS.md, "Model families on a GPU")."""
 
     family: FamilyName
     hub_ids: tuple[str, ...]
@@ -55,8 +56,15 @@ class Variant:
     vae_b: float
     # LoRA parameters per unit of rank with the family's default targets, in millions.
     lora_m_per_rank: float
+    # Activations (and what the steps hold beside the weights) per megapixel, with and without
+    # gradient checkpointing.
+    activations_gb_per_mp: tuple[float, float]
 
 
+# Activations: measured on an H100 at 1024 px, rank 16 (FLUX.1-dev NF4 with checkpointing 4.9,
+# klein 4B 1.9 with and 15.5 without), each rounded up by about 10%; the others are scaled from
+# those by the transformer's blocks (a double block counted twice) and width, and marked so
+# until measured; SDXL's are published figures.
 VARIANTS: tuple[Variant, ...] = (
     Variant(
         family="sdxl",
@@ -65,6 +73,7 @@ VARIANTS: tuple[Variant, ...] = (
         text_encoders_b=0.82,
         vae_b=0.084,
         lora_m_per_rank=0.73,
+        activations_gb_per_mp=(1.0, 8.0),
     ),
     Variant(
         family="flux",
@@ -73,6 +82,8 @@ VARIANTS: tuple[Variant, ...] = (
         text_encoders_b=4.88,
         vae_b=0.084,
         lora_m_per_rank=1.17,
+        # Without checkpointing: klein 4B's 15.5 x 76/30 block-equivalents (scaled).
+        activations_gb_per_mp=(5.5, 40.0),
     ),
     Variant(
         family="flux2",
@@ -81,6 +92,7 @@ VARIANTS: tuple[Variant, ...] = (
         text_encoders_b=4.0,
         vae_b=0.084,
         lora_m_per_rank=0.6,
+        activations_gb_per_mp=(2.2, 17.0),
     ),
     Variant(
         family="flux2",
@@ -89,6 +101,8 @@ VARIANTS: tuple[Variant, ...] = (
         text_encoders_b=8.2,
         vae_b=0.084,
         lora_m_per_rank=1.0,
+        # klein 4B's x 40/30 block-equivalents x 4096/3072 width (scaled).
+        activations_gb_per_mp=(3.8, 30.0),
     ),
 )
 _BY_HUB_ID = {hub_id.lower(): v for v in VARIANTS for hub_id in v.hub_ids}
@@ -97,15 +111,6 @@ REFUSED_HUB_IDS: dict[str, str] = {
     "black-forest-labs/flux.2-dev": REFUSED_PIPELINES["Flux2Pipeline"],
 }
 
-# Activation memory in GiB per megapixel of one image, with and without gradient checkpointing:
-# estimates from published figures, not lorafleet's own measurements yet
-# (docs/BENCHMARKS.md, "Memory estimates"). Flux.1-dev's QLoRA recipe (NF4, checkpointing,
-# 1024 px) peaks at ~9 GB.
-_ACTIVATION_GIB_PER_MP = {
-    "sdxl": (1.0, 8.0),
-    "flux": (1.5, 18.0),
-    "flux2": (1.2, 12.0),
-}
 # CUDA context, allocator slack and workspace.
 _OVERHEAD_GIB = 1.5
 
@@ -138,10 +143,12 @@ def estimate_vram_mb(
     """A conservative peak of accelerator memory for a job, in MiB; None for a base model the
     fleet cannot size (a local folder, an unknown hub id: then only `min_vram_mb` filters).
 
-    The peak is the larger of two phases: encoding the prompts (text encoders and VAE resident),
-    and training (frozen denoiser at its quantization, VAE, LoRA weights with their gradient and
-    two AdamW moments in fp32, activations per megapixel, text encoders only when trained, or
-    always for SDXL, whose encoders stay on the device)."""
+    The peak is the larger of two phases: encoding the prompts (the denoiser, text encoders and
+    VAE resident: a worker keeps its denoiser on the device between jobs, and the measured peak
+    of the FLUX families' default jobs is this phase), and training (frozen denoiser at its
+    quantization, VAE, LoRA weights with their gradient and two AdamW moments in fp32,
+    activations per megapixel, text encoders only when trained, or always for SDXL, whose
+    encoders stay on the device)."""
     variant = variant_for(base_model)
     if variant is None:
         return None
@@ -151,11 +158,11 @@ def estimate_vram_mb(
     encoders = variant.text_encoders_b * dense
     vae = variant.vae_b * dense
     lora = variant.lora_m_per_rank * lora_rank * 16 / 1000  # GB: fp32 weight, grad, 2 moments
-    with_gc, without_gc = _ACTIVATION_GIB_PER_MP[variant.family]
+    with_gc, without_gc = variant.activations_gb_per_mp
     megapixels = batch_size * resolution * resolution / 1_000_000
     activations = megapixels * (with_gc if gradient_checkpointing else without_gc)
     keeps_encoders = train_text_encoder or variant.family == "sdxl"
     training = denoiser + vae + lora + activations + (encoders if keeps_encoders else 0.0)
-    encoding = encoders + vae
+    encoding = denoiser + encoders + vae
     gib = max(training, encoding) * 1e9 / 2**30 + _OVERHEAD_GIB
     return int(gib * 1024 + 0.5)

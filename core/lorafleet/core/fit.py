@@ -23,13 +23,14 @@ from lorafleet.core.errors import InvalidArgument
 from lorafleet.core.families import estimate_vram_mb
 from lorafleet.core.spec import JobSpec
 
-# Single changes tried, in this order, when a job does not fit the fleet: the QLoRA recipe's
-# levers first (a 4-bit frozen base, then gradient checkpointing), then what shrinks the
-# activations, then fp32 weights to the mixed-precision dtype. Where no one change is enough,
-# their cumulative combination (in the same order) is offered.
+# Single changes tried, in this order, when a job does not fit the fleet: gradient
+# checkpointing first (the same LoRA, bit for bit, only slower), then the QLoRA recipe's 4-bit
+# frozen base, then what shrinks the activations, then fp32 weights to the mixed-precision
+# dtype. Where no one change is enough, their cumulative combination (in the same order) is
+# offered.
 _LEVERS: tuple[tuple[str, str, Any], ...] = (
-    ("base_quantization", "quantization", "nf4"),
     ("gradient_checkpointing", "gradient_checkpointing", True),
+    ("base_quantization", "quantization", "nf4"),
     ("train_text_encoder", "train_text_encoder", False),
     ("train_batch_size", "batch_size", 1),
     ("mixed_precision", "mixed_precision", "bf16"),
@@ -63,7 +64,9 @@ def vram_need_mb(spec: JobSpec) -> int:
 
 
 def _gib(mb: int) -> str:
-    return f"{mb / 1024:.0f} GiB" if mb >= 10 * 1024 else f"{mb / 1024:.1f} GiB"
+    # One decimal always: 24105 and 24840 MiB both read "24 GiB" rounded to whole GiB, though
+    # one fits a 24 GiB node and the other does not.
+    return f"{mb / 1024:.1f} GiB"
 
 
 def _word(value: Any) -> str:
