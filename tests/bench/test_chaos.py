@@ -25,8 +25,12 @@ def tmp_path(public_tmp_path: Path) -> Path:
     return public_tmp_path
 
 
+# The run's own deadline is 240 s of jobs; its Postgres cluster, replicas and audits come on
+# top. On an idle 2-core machine the whole takes 2-4 minutes; beside another test suite it
+# passed 400 s once: the bound is twice that, so load slows it without failing it, and a hang
+# still ends.
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(840)
 def test_chaos_ci_passes_every_audit(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
     run = subprocess.run(
@@ -43,7 +47,7 @@ def test_chaos_ci_passes_every_audit(tmp_path: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=800,
     )
     tail = (run.stdout[-4000:] + "\n" + run.stderr[-6000:]).strip()
     assert report_path.exists(), f"no report (exit {run.returncode}):\n{tail}"
