@@ -5,7 +5,8 @@ so a worker never guesses a default. Field names equal the `lorafleet.jobs.v1.Jo
 
 Each field is declared once, below, with `spec_field`: its default, its help, its bounds, whether
 it changes what is trained and the spec revision it appeared in. Everything else reads that
-declaration: the checks (`check_spec`), proto conversion (`serde.spec_from_proto` and
+declaration: the conversion of a given value to the field's type (`spec_value`, which JobSpec
+runs on every value), the checks (`check_spec`), proto conversion (`serde.spec_from_proto` and
 `spec_to_proto`), the CLI's flags and help, the resume fingerprint's fields
 (`JobSpec.fingerprint_values`) and the README's table (a test compares them). Adding a plain
 field takes the proto field, its line here and the code that uses it.
@@ -124,14 +125,53 @@ class SpecField:
             return "none" if not value else str(value)
         return str(value)
 
+    def typed(self, value: Any) -> Any:
+        """The value in the field's type, or InvalidArgument naming the field and the type it
+        expected (`spec_value`)."""
+        kind = self.kind
+        if kind == "bool" and isinstance(value, bool):
+            return value
+        if kind == "int" and self.zero and value == self.zero:
+            return 0
+        # bool is an int in Python: `guidance_scale: true` would otherwise train with 1.0.
+        if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind == "text" and isinstance(value, str):
+            return value
+        if kind == "choice" and isinstance(value, str):
+            return self._choice(self.name, value)
+        if kind in ("texts", "choices") and isinstance(value, (list, tuple)):
+            items = []
+            for i, item in enumerate(value):
+                if not isinstance(item, str):
+                    raise InvalidArgument(f"{self.name}[{i}]", f"expected text, got {_shown(item)}")
+                items.append(self._choice(f"{self.name}[{i}]", item) if self.choices else item)
+            return tuple(items)
+        if kind == "map" and isinstance(value, Mapping):
+            for key, item in value.items():
+                if not isinstance(key, str) or not isinstance(item, str):
+                    bad = item if isinstance(key, str) else key
+                    raise InvalidArgument(
+                        f"{self.name}[{key!r}]", f"expected text, got {_shown(bad)}"
+                    )
+            return dict(value)
+        expected = f"one of {', '.join(self.choices)}" if kind == "choice" else _EXPECTED[kind]
+        if kind == "int" and self.zero:
+            expected += f" or {self.zero}"
+        raise InvalidArgument(self.name, f"expected {expected}, got {_shown(value)}")
+
+    def _choice(self, name: str, value: str) -> str:
+        # Choice names in any case, as the proto's enum names are upper case: FLUX is flux.
+        if value.lower() not in self.choices:
+            what = self.name.replace("_", " ").removesuffix("s" if self.kind == "choices" else "")
+            raise InvalidArgument(name, f"unknown {what} {value!r} (use {', '.join(self.choices)})")
+        return value.lower()
+
     def check(self, value: Any, spec: JobSpec | None = None, *, name: str = "") -> None:
         """The declared checks of one value; `name` reports it under another field name."""
         name = name or self.name
-        if self.kind == "choice" and value not in self.choices:
-            raise InvalidArgument(
-                name,
-                f"unknown {name.replace('_', ' ')} {value!r} (use {', '.join(self.choices)})",
-            )
         if self.kind == "text":
             if self.path:
                 if value or self.required:
@@ -598,6 +638,10 @@ class JobSpec:
     )
 
     def __post_init__(self) -> None:
+        # Every way a spec is made (the proto, a stored spec, the SDK's keywords) takes each
+        # value through the same conversion: a wrong type fails here, naming its field.
+        for f in SPEC_FIELDS:
+            object.__setattr__(self, f.name, f.typed(getattr(self, f.name)))
         check_spec(self)
 
     def to_dict(self) -> dict[str, Any]:
@@ -697,11 +741,7 @@ class JobSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
         """Inverse of `to_dict`; unknown keys (from a newer version) are ignored."""
-        kwargs = {k: v for k, v in data.items() if k in SPEC_FIELD}
-        for name, value in kwargs.items():
-            if SPEC_FIELD[name].kind in ("texts", "choices"):
-                kwargs[name] = tuple(value)
-        return cls(**kwargs)
+        return cls(**{k: v for k, v in data.items() if k in SPEC_FIELD})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -784,6 +824,46 @@ def _describe(cls: type[JobSpec]) -> tuple[SpecField, ...]:
 SPEC_FIELDS = _describe(JobSpec)
 SPEC_FIELD = {f.name: f for f in SPEC_FIELDS}
 
+_EXPECTED: dict[FieldKind, str] = {
+    "bool": "true or false",
+    "int": "an integer",
+    "float": "a number",
+    "text": "text",
+    "texts": "a list of text",
+    "choices": "a list of names",
+    "map": "a mapping of text to text",
+}
+
+
+def spec_value(name: str, value: Any) -> Any:
+    """A JobSpec field's value as a YAML or JSON file, the SDK's keywords or a stored spec give
+    it, in the field's own type: the one conversion every spec's values take (JobSpec itself
+    runs it). Choice names in any case ("FLUX" is flux); an int field's zero word ("auto") is 0;
+    an int is a number. Anything else of another type is refused, naming the field and the type
+    it expected: no bool for a number nor a number for a bool, no number read from text ("512"
+    is refused, as the proto's typed fields refuse it). The value's bounds are `check_spec`'s."""
+    declared = SPEC_FIELD.get(name)
+    if declared is None:
+        raise InvalidArgument(name, "not a job spec field")
+    return declared.typed(value)
+
+
+def _shown(value: Any) -> str:
+    """A value of the wrong type as a YAML or JSON file says it: true, null, '512', a list."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else repr(value[:40]) + "..."
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return f"a {type(value).__name__}"
+
 
 def check_path(field_name: str, value: str, *, max_chars: int = MAX_PREFIX_CHARS) -> None:
     """A storage prefix or relative file name: `a/b/c`, no empty, "." or ".." segments."""
@@ -841,9 +921,6 @@ def check_spec(spec: JobSpec) -> None:
             raise InvalidArgument("webhook.url", "must be an http:// or https:// URL")
     elif spec.webhook_events:
         raise InvalidArgument("webhook.events", "needs webhook.url")
-    for event in spec.webhook_events:
-        if event not in get_args(WebhookEventName):
-            raise InvalidArgument("webhook.events", f"unknown event {event!r}")
     if spec.use_8bit_adam and spec.optimizer == "prodigy":
         raise InvalidArgument(
             "use_8bit_adam", "is an AdamW option; it cannot be combined with optimizer prodigy"
@@ -859,6 +936,12 @@ def check_spec(spec: JobSpec) -> None:
             "validation_prompts", f"at most {MAX_SAMPLE_PROMPTS} prompts with validation_prompt"
         )
 
+
+# The flow-matching families' image side: their VAEs' latents (1/8 of the side) are packed in
+# 2x2 patches, so diffusers' FluxPipeline and Flux2KleinPipeline need a multiple of
+# vae_scale_factor * 2. Refused at submit, not once a worker has loaded the model (the worker
+# checks it again against the model's own VAE).
+_FLOW_RESOLUTION_MULTIPLE = 16
 
 # Fields of the flow-matching families that mean nothing for SDXL's DDPM objective.
 _FLOW_ONLY = (
@@ -891,6 +974,12 @@ def _check_family(spec: JobSpec) -> None:
                     name, "applies to the flow-matching families (flux, flux2), not sdxl"
                 )
         return
+    if spec.resolution % _FLOW_RESOLUTION_MULTIPLE:
+        raise InvalidArgument(
+            "resolution",
+            f"the {family} family needs a multiple of {_FLOW_RESOLUTION_MULTIPLE} pixels"
+            f" (got {spec.resolution})",
+        )
     for name, reason in (
         ("snr_gamma", "min-SNR weighting is for DDPM objectives; use weighting_scheme"),
         ("noise_offset", "offset noise is for DDPM objectives"),
