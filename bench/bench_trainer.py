@@ -936,8 +936,8 @@ def report(results: list[Result], blob_bytes: int) -> None:
     for r in results:
         if r.phase_peak_gpu_bytes:
             phases = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in r.phase_peak_gpu_bytes.items())
-            te = "yes" if r.text_encoder else "no"
-            print(f"{r.trainer} (TE {te}) peak GiB by phase: {phases}")
+            trained = "yes" if r.text_encoder else "no"
+            print(f"{r.trainer} (TE {trained}) peak GiB by phase: {phases}")
     opens = [r.write_opens for r in results if r.write_opens is not None]
     print(f"lorafleet Python-level opens for writing during its runs: {sum(opens)}")
 
