@@ -323,7 +323,8 @@ class JobSpec:
     )
     resolution: int = spec_field(
         default=1024,
-        help="square training resolution in pixels, a multiple of 8, 64..2048",
+        help="square training resolution in pixels, a multiple of 8 (16 for flux and flux2),"
+        " 64..2048",
         trains=True,
         low=64,
         high=2_048,
