@@ -37,7 +37,13 @@ from lorafleet.cli.render import (
 )
 from lorafleet.cli.report import format_report, report_command, report_to_json
 from lorafleet.cli.samples import SAMPLES_HELP, add_samples_arguments, samples_command
-from lorafleet.cli.spec_flags import add_spec_flags, load_document, parse_labels, spec_from_args
+from lorafleet.cli.spec_flags import (
+    add_spec_flags,
+    load_document,
+    load_spec_file,
+    parse_labels,
+    spec_from_args,
+)
 from lorafleet.cli.timeline import timeline_command
 from lorafleet.client import AsyncClient
 from lorafleet.client.api import build_spec
@@ -74,7 +80,7 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
     anything, then uploads, then submits."""
     uploads: list[tuple[str, list[TrainingFile]]] = []
     if args.batch:
-        documents = load_document(Path(args.batch))
+        documents = load_document(Path(args.batch), "batch")
         if not isinstance(documents, list):
             raise InvalidArgument("batch", "the file must hold a list of job specs")
         specs = []
@@ -99,7 +105,7 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
                 uploads.append((document["instance_data_prefix"], files))
             specs.append(document)
     else:
-        base = load_document(Path(args.spec)) if args.spec else {}
+        base = load_spec_file(Path(args.spec)) if args.spec else {}
         spec = spec_from_args(args, base)
         if note := family_from_local_model(spec):
             print(note, file=sys.stderr)

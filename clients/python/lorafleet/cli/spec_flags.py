@@ -93,9 +93,46 @@ def parse_labels(pairs: list[str], field: str = "label") -> dict[str, str]:
     return labels
 
 
-def load_document(path: Path) -> Any:
-    text = path.read_text()
-    return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+def load_document(path: Path, field: str) -> Any:
+    """The document in a --spec or --batch file (`field` names the flag): JSON for a .json
+    file, else YAML. A file that cannot be read or parsed is one line naming it and where it
+    is malformed, as any other bad input, not the parser's traceback."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise InvalidArgument(field, f"cannot read {path}: {reason}") from None
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(
+                field,
+                f"{path} is not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}",
+            ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InvalidArgument(field, f"{path} is not valid YAML{_yaml_where(exc)}") from None
+
+
+def _yaml_where(exc: yaml.YAMLError) -> str:
+    """Where the YAML parser stopped and why, on one line (its own message spans several)."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return f": {' '.join(str(exc).split())}"
+    mark = exc.problem_mark
+    return f" at line {mark.line + 1}, column {mark.column + 1}: {exc.problem or 'malformed'}"
+
+
+def load_spec_file(path: Path) -> dict[str, Any]:
+    """A --spec file's fields: its top level must be a mapping of them."""
+    document = load_document(path, "spec")
+    if not isinstance(document, dict):
+        found = "nothing" if document is None else f"a {type(document).__name__}"
+        raise InvalidArgument(
+            "spec", f"{path} must hold a mapping of spec fields (field: value); it holds {found}"
+        )
+    return document
 
 
 def spec_from_args(args: argparse.Namespace, base: Mapping[str, Any] | None) -> dict[str, Any]:
