@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from lorafleet.cli.spec_flags import named_family
 from lorafleet.client import AsyncClient
 from lorafleet.client.dataset import (
     IMAGE_SUFFIXES,
@@ -74,8 +75,9 @@ def family_from_local_model(spec: dict[str, Any], *, where: str = "") -> str | N
     """With `model_family` auto, a `base_model` folder that is on this machine (as on `lorafleet
     up`, where the workers read the same folder) names its own family in its model_index.json:
     the spec takes it. Otherwise the scheduler would take an unknown local model for sdxl and
-    the worker fail the job once it loaded it. A family named that the folder contradicts, or a
-    pipeline lorafleet refuses, is refused here, naming base_model, before anything is uploaded.
+    the worker fail the job once it loaded it. A family named that the folder contradicts, a
+    pipeline lorafleet does not train or refuses, or an unreadable model_index.json is refused
+    here, naming base_model, before anything is uploaded.
     Returns a note for the user when it filled the family in."""
     base_model = str(spec.get("base_model") or "")
     index = Path(base_model) / "model_index.json"
@@ -89,16 +91,30 @@ def family_from_local_model(spec: dict[str, Any], *, where: str = "") -> str | N
         )
     if not os.path.isabs(base_model) or not index.is_file():
         return None  # a hub id, or a folder only the workers have: the worker checks it
+    field = f"{where}base_model"
     try:
-        pipeline = str(json.loads(index.read_text()).get("_class_name", ""))
-    except (OSError, ValueError, AttributeError):
-        return None  # the worker names what is wrong with it
+        document = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise InvalidArgument(
+            field, f"{base_model!r} has an unreadable {index.name}: {reason}"
+        ) from None
+    named_pipeline = document.get("_class_name") if isinstance(document, dict) else None
+    pipeline = str(named_pipeline or "")
+    # The one table of pipelines the worker checks the model against (core/families.py).
     if pipeline in REFUSED_PIPELINES:
-        raise InvalidArgument(f"{where}base_model", REFUSED_PIPELINES[pipeline])
+        raise InvalidArgument(
+            field, f"{base_model!r} is a {pipeline}: {REFUSED_PIPELINES[pipeline]}"
+        )
     family = PIPELINES.get(pipeline)
     if family is None:
-        return None
-    named = str(spec.get("model_family") or "auto")
+        raise InvalidArgument(
+            field,
+            f"{base_model!r} is a {pipeline or 'model without a pipeline class'}; lorafleet"
+            f" trains {', '.join(sorted(set(PIPELINES.values())))} models"
+            f" ({', '.join(sorted(PIPELINES))})",
+        )
+    named = named_family(spec, where=where)
     if named == "auto" and family == DEFAULT_FAMILY:
         return None  # what auto takes it for already
     if named == "auto":
@@ -108,10 +124,9 @@ def family_from_local_model(spec: dict[str, Any], *, where: str = "") -> str | N
         )
     if named != family:
         raise InvalidArgument(
-            f"{where}base_model",
+            field,
             f"{base_model!r} is a model of family {family} ({pipeline}) but model_family says"
-            f" {named};"
-            f" submit it with model_family {family}",
+            f" {named}; submit it with model_family {family}",
         )
     return None
 

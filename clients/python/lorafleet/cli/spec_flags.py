@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 
 from lorafleet.core.errors import InvalidArgument
-from lorafleet.core.spec import SPEC_FIELD, SPEC_FIELDS, SpecField
+from lorafleet.core.families import FAMILIES, VARIANTS
+from lorafleet.core.spec import SPEC_FIELD, SPEC_FIELDS, SpecField, spec_value
 
 
 def _spec_help(f: SpecField) -> str:
@@ -148,3 +149,35 @@ def spec_from_args(args: argparse.Namespace, base: Mapping[str, Any] | None) -> 
         spec.pop("webhook_events", None)
         spec["webhook"] = {"url": args.webhook_url or "", "events": args.webhook_event}
     return spec
+
+
+def named_family(spec: Mapping[str, Any], *, where: str = "") -> str:
+    """The spec's model_family as the server reads it (`spec_value`: in any case, so `FLUX` is
+    flux); a value the server refuses is refused here, naming the field."""
+    value = spec.get("model_family")
+    if value is None:
+        return "auto"
+    try:
+        return str(spec_value("model_family", value))
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{where}{exc.field}", exc.reason) from None
+
+
+def check_family_has_base_model(spec: Mapping[str, Any], *, where: str = "") -> None:
+    """A spec naming a family without a base model would train the default base model, an SDXL
+    one, and the spec's checks blame that model, which the user never named: say instead that
+    the family needs a base model of its own, with its public variants as examples."""
+    if spec.get("base_model"):
+        return
+    family = named_family(spec, where=where)
+    default_base = str(SPEC_FIELD["base_model"].default)
+    if family not in FAMILIES or any(
+        default_base in v.hub_ids for v in VARIANTS if v.family == family
+    ):
+        return
+    examples = ", ".join(h for v in VARIANTS if v.family == family for h in v.hub_ids)
+    raise InvalidArgument(
+        f"{where}base_model",
+        f"model_family {family} needs a base model of that family (--base-model: a hub id or"
+        f" the absolute path of a diffusers folder), e.g. {examples}",
+    )
