@@ -1,10 +1,11 @@
 """What `lorafleet submit` refuses on this machine before it talks to a scheduler (a spec file
 it cannot parse, a local model it cannot train, a family without its base model), each as one
-line naming the field."""
+line naming the field; and `lorafleet get` of a job that never trained."""
 
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,11 @@ import pytest
 
 from lorafleet.app.main import main
 from lorafleet.cli.local_inputs import family_from_local_model
+from lorafleet.cli.render import describe_job, job_json
 from lorafleet.client.api import build_spec
-from lorafleet.core.serde import spec_from_proto
+from lorafleet.core.model import JobState, Progress
+from lorafleet.core.serde import job_from_proto, job_to_proto, spec_from_proto
+from tests.clients.test_timeline import make_job
 
 REQUIRED = (
     "--instance-prompt=a photo of sks dog",
@@ -130,3 +134,28 @@ def test_a_family_without_its_base_model_says_so_not_the_sdxl_default(
     line = _submit(capsys, monkeypatch, "--batch", str(batch))
     assert line.startswith("error: batch[1].base_model: model_family flux2"), line
     assert "black-forest-labs/FLUX.2-klein-4B" in line, line
+
+
+def test_get_shows_no_loss_for_a_job_that_never_trained() -> None:
+    """A job leased and failed before its first step read "loss 0.0000": the wire's progress
+    has no unset loss, so 0.0 came back as if reported."""
+    now = datetime.now(UTC)
+
+    def got(step: int, loss: float | None) -> Any:
+        progress = Progress(
+            step=step,
+            max_steps=100,
+            loss=loss,
+            learning_rate=None,
+            seconds_per_step=None,
+            machine_id="m1",
+            updated_at=now,
+        )
+        job = make_job(progress=progress, state=JobState.FAILED, error="no GPU")
+        return job_from_proto(job_to_proto(job))  # what `lorafleet get` reads
+
+    never = got(0, None)
+    assert "loss" not in describe_job(never) and job_json(never)["loss"] is None
+    trained = got(3, 0.25)
+    assert "step 3/100, loss 0.2500" in describe_job(trained)
+    assert job_json(trained)["loss"] == 0.25
