@@ -147,6 +147,37 @@ def test_a_spec_file_names_the_webhook_as_the_options_table_does() -> None:
     assert merged.webhook_url == "https://hooks.example/c" and merged.webhook_events == ()
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("guidance_scale", True, "guidance_scale: expected a number, got true"),
+        ("resolution", "512", "resolution: expected an integer, got '512'"),
+        ("train_text_encoder", 1, "train_text_encoder: expected true or false, got 1"),
+        ("labels", {"version": 2}, "labels['version']: expected text, got 2"),
+        ("validation_prompts", ["a dog", 3], "validation_prompts[1]: expected text, got 3"),
+        ("webhook", "https://hooks.example/a", "webhook: expected a mapping of url and events"),
+    ],
+)
+def test_a_spec_file_value_of_the_wrong_type_is_refused_naming_it(
+    key: str, value: Any, said: str
+) -> None:
+    """A --spec file's value is taken in its field's type or refused naming the field: before,
+    the proto's setters took `guidance_scale: true` as 1.0 and said "'str' object cannot be
+    interpreted as an integer" for `resolution: "512"`. A choice in any case is its name."""
+    document = {
+        "instance_prompt": "a photo of sks dog",
+        "instance_data_prefix": "rex",
+        "max_train_steps": 50,
+    }
+    with pytest.raises(InvalidArgument) as refused:
+        build_spec({**document, key: value})
+    assert str(refused.value) == said
+    flux = build_spec(
+        {**document, "model_family": "FLUX", "base_model": "black-forest-labs/FLUX.1-dev"}
+    )
+    assert spec_from_proto(flux).model_family == "flux"
+
+
 def test_download_says_how_a_result_loads_in_its_family_pipeline() -> None:
     """`lorafleet download` once printed `pipe.load_lora_weights(...)` for every file; a FLUX.1
     job's kohya file does not load that way (diffusers converts that layout for some layers

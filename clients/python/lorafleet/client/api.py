@@ -58,7 +58,7 @@ from lorafleet.core.serde import (
     spec_from_proto,
     spec_to_proto,
 )
-from lorafleet.core.spec import SPEC_FIELD, JobSpec
+from lorafleet.core.spec import JobSpec, spec_value
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 
@@ -178,40 +178,30 @@ def build_spec(spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any) -
             "url": merged.pop("webhook_url", ""),
             "events": merged.pop("webhook_events", ()),
         }
-        if isinstance(webhook["events"], str):
-            raise InvalidArgument("webhook_events", "must be a list")
     msg = pb.JobSpec()
     for name, value in merged.items():
         if name not in pb.JobSpec.DESCRIPTOR.fields_by_name:
             raise InvalidArgument(name, "not a job spec field")
+        # Each value in its field's own type, or refused naming the field (core/spec.py): the
+        # proto's setters would take true as 1.0 and say "'str' object cannot be interpreted".
+        value = spec_value(name, value)
+        field = pb.JobSpec.DESCRIPTOR.fields_by_name[name]
         if name == "labels":
-            msg.labels.update({str(k): str(v) for k, v in value.items()})
-        elif isinstance(value, str) and pb.JobSpec.DESCRIPTOR.fields_by_name[name].enum_type:
-            # Enums by their lower-case names, as in YAML files and CLI flags ("cosine", "bf16").
-            number = _enum_number(pb.JobSpec.DESCRIPTOR.fields_by_name[name].enum_type, value)
+            msg.labels.update(value)
+        elif field.enum_type:
+            number = _enum_number(field.enum_type, value)
             if number is None:
                 raise InvalidArgument(name, f"unknown value {value!r}")
             setattr(msg, name, number)
-        elif pb.JobSpec.DESCRIPTOR.fields_by_name[name].is_repeated:
-            if isinstance(value, str) or not isinstance(value, (list, tuple)):
-                raise InvalidArgument(name, "must be a list")
-            try:
-                getattr(msg, name).extend(value)
-            except (TypeError, ValueError) as exc:
-                raise InvalidArgument(name, str(exc)) from None
+        elif field.is_repeated:
+            getattr(msg, name).extend(value)
         else:
-            declared = SPEC_FIELD.get(name)
-            if declared is not None and declared.zero and value == declared.zero:
-                # The word a field's 0 goes by ("checkpointing_steps: auto"), as the CLI's flag
-                # takes it: a --spec or --batch file says it the same way.
-                value = 0
-            try:
-                setattr(msg, name, value)
-            except (TypeError, ValueError) as exc:
-                raise InvalidArgument(name, str(exc)) from None
+            setattr(msg, name, value)
     if webhook:
-        msg.webhook.url = webhook.get("url", "")
-        for event in webhook.get("events", ()):
+        if not isinstance(webhook, Mapping):
+            raise InvalidArgument("webhook", "expected a mapping of url and events")
+        msg.webhook.url = spec_value("webhook_url", webhook.get("url", ""))
+        for event in spec_value("webhook_events", webhook.get("events", ())):
             number = _enum_number(pb.WebhookEvent.DESCRIPTOR, event)
             if number is None:
                 raise InvalidArgument("webhook.events", f"unknown event {event!r}")
