@@ -40,6 +40,15 @@ class NewJob:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ResumedLease:
+    """A lease its holder kept across a reconnect (`resume_lease`): the job as it stands, and
+    the W3C traceparent the scheduler's spans for the lease go under (its grant span's)."""
+
+    job: Job
+    traceparent: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class ExpiredLease:
     job_id: str
     lease_id: str

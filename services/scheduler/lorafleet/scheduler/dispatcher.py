@@ -250,9 +250,17 @@ class Dispatcher:
                     await self._ledger.drain_lease(job.lease_id, job.epoch, "storage unavailable")
                     return False
                 try:
+                    # Recorded before the grant is sent: a worker resuming the lease after a
+                    # reconnect, on any replica, gets the scheduler's spans under this grant.
+                    await self._ledger.set_lease_traceparent(
+                        job.lease_id, job.epoch, lease.traceparent
+                    )
                     worker_spec, interval = await self._worker_spec(job, session)
                 except Exception:
-                    log.exception("could not choose the checkpoint interval", job_id=job.job_id)
+                    log.exception(
+                        "could not record the grant's trace context or checkpoint interval",
+                        job_id=job.job_id,
+                    )
                     self._grant_abandoned(session, lease)
                     await self._ledger.drain_lease(job.lease_id, job.epoch, "ledger unavailable")
                     return False

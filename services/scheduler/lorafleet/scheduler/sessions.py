@@ -90,8 +90,8 @@ class _Lease:
     lease_id: str
     epoch: int
     owner: str
-    # The lease's place in the job's trace (the grant span; after a resume, the submit span):
-    # what the scheduler does for this lease joins the job's trace under it.
+    # The lease's place in the job's trace, its grant span (the ledger keeps it for a resume,
+    # `set_lease_traceparent`): what the scheduler does for this lease joins the trace under it.
     traceparent: str = ""
 
     def ref(self) -> LeaseRef:

@@ -38,7 +38,7 @@ from lorafleet.core.serde import (
     lease_ref_to_proto,
 )
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
-from lorafleet.ledger.ledger import Ledger
+from lorafleet.ledger.ledger import Ledger, ResumedLease
 from lorafleet.scheduler import metrics
 from lorafleet.scheduler.background import BackgroundTasks
 from lorafleet.scheduler.dispatcher import (
@@ -190,7 +190,7 @@ class WorkerHandler:
             # servicers.WorkerServicer answers Ping on every stream (issue 31).
             answers_ping=True,
         )
-        resumed: Job | None = None
+        resumed: ResumedLease | None = None
         if hello.held_lease is not None and session.may("resume"):
             # Only the stream the lease was granted on was given its secret. An unqualified
             # machine resumes nothing: it gets no work, and the lease runs out its TTL.
@@ -201,10 +201,11 @@ class WorkerHandler:
                 self._lease_ttl_s,
                 secret_sha256=digest(hello.held_lease_secret),
             )
-        if resumed is not None and resumed.lease_id is not None:
-            session.resume(TrainingLease.from_job(resumed, traceparent=resumed.traceparent or ""))
-            welcome.resumed_lease.CopyFrom(lease_proto(resumed, self._lease_ttl_s))
-            log.info("lease resumed", machine_id=machine.machine_id, job_id=resumed.job_id)
+        if resumed is not None and resumed.job.lease_id is not None:
+            # Under its grant span again, as the worker's own spans for the lease still are.
+            session.resume(TrainingLease.from_job(resumed.job, traceparent=resumed.traceparent))
+            welcome.resumed_lease.CopyFrom(lease_proto(resumed.job, self._lease_ttl_s))
+            log.info("lease resumed", machine_id=machine.machine_id, job_id=resumed.job.job_id)
         session.send(fpb.ConnectResponse(welcome=welcome))
         if session.lease is not None:
             await self._renew_urls(session)

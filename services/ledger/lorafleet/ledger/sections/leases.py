@@ -20,6 +20,7 @@ from lorafleet.ledger.base import QUERIES, LedgerBase, _uuid_or_nil
 from lorafleet.ledger.records import (
     OPERATOR_RUN_PROVIDERS,
     ExpiredLease,
+    ResumedLease,
     StalledLease,
     job_from_row,
 )
@@ -74,11 +75,13 @@ class LeaseQueries(LedgerBase):
         lease_ttl_s: float,
         *,
         secret_sha256: bytes,
-    ) -> Job | None:
+    ) -> ResumedLease | None:
         row = await self._fetchrow(
             "resume_lease", _uuid_or_nil(lease_id), epoch, machine_id, lease_ttl_s, secret_sha256
         )
-        return None if row is None else job_from_row(row)
+        if row is None:
+            return None
+        return ResumedLease(job=job_from_row(row), traceparent=row["lease_traceparent"] or "")
 
     async def heartbeat(
         self,
@@ -213,6 +216,13 @@ class LeaseQueries(LedgerBase):
             result.kohya.sha256 if result.kohya else None,
         )
         return None if row is None else job_from_row(row)
+
+    async def set_lease_traceparent(self, lease_id: str, epoch: int, traceparent: str) -> None:
+        """Records the lease's grant span (its W3C traceparent), for `resume_lease`."""
+        async with self._conn() as conn:
+            await conn.execute(
+                QUERIES["set_lease_traceparent"], _uuid_or_nil(lease_id), epoch, traceparent
+            )
 
     async def set_lease_interval(self, lease_id: str, epoch: int, steps: int, notice: str) -> bool:
         """Records the checkpoint interval chosen for a live lease (checkpointing_steps auto):

@@ -348,7 +348,8 @@ SELECT * FROM granted;
 -- name: resume_lease
 -- A worker reconnected holding ($1 lease, $2 epoch) on machine $3 and presenting the lease's
 -- secret (its sha256 is $5): keep the lease if it is still live and the secret matches, for
--- $4 s more.
+-- $4 s more. lease_traceparent: its grant span's (the job's, for a lease granted before
+-- set_lease_traceparent was).
 WITH resumed AS (
     UPDATE jobs SET lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
     WHERE lease_id = $1 AND epoch = $2 AND machine_id = $3 AND state = 'RUNNING'
@@ -363,7 +364,8 @@ WITH resumed AS (
     INSERT INTO job_events (job_id, kind, state, lease_id, machine_id, epoch, step)
     SELECT job_id, 'LEASE_RESUMED', state, lease_id, machine_id, epoch, progress_step FROM resumed
 )
-SELECT * FROM resumed;
+SELECT r.*, coalesce(l.traceparent, r.traceparent) AS lease_traceparent
+FROM resumed r JOIN leases l USING (lease_id);
 
 -- name: heartbeat
 -- $1 lease, $2 epoch, $3 ttl s, $4 step, $5 loss, $6 lr, $7 s/step. Extends the lease.
@@ -636,6 +638,10 @@ WITH target AS (
     WHERE new_state = 'FAILED'
 )
 SELECT * FROM updated;
+
+-- name: set_lease_traceparent
+-- $1 lease, $2 epoch, $3 the W3C traceparent of its grant span (resume_lease returns it).
+UPDATE leases SET traceparent = $3 WHERE lease_id = $1 AND epoch = $2;
 
 -- name: set_lease_interval
 -- $1 lease, $2 epoch, $3 the checkpoint interval the scheduler chose for that live lease, $4

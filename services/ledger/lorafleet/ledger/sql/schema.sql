@@ -148,6 +148,9 @@ CREATE TABLE leases (
     -- Whether its step ran compiled, as the holder says (0023; NULL: it did not say): the
     -- scaler compares a node's pace only with what a node of its compile state runs.
     step_compiled     boolean,
+    -- Its grant span's W3C traceparent (0025; NULL: granted before): a resume after a
+    -- reconnect puts the scheduler's spans for the lease under its grant again.
+    traceparent       text,
     -- One grant per attempt, ever: the ledger itself forbids granting a job twice.
     UNIQUE (job_id, epoch)
 );
