@@ -67,6 +67,27 @@ async def test_a_job_no_node_of_the_fleet_can_hold_is_refused_naming_the_field(
     assert (err.value.details() or "").startswith("spec.min_vram_mb:")
 
 
+async def test_an_estimate_refuses_what_submit_refuses_for_this_fleet(fleet: Fleet) -> None:
+    """EstimateJob runs SubmitJob's checks (its proto says so): before, `lorafleet submit
+    --estimate` priced a job no node of the fleet could hold, which submit then refused."""
+
+    async def estimate(**spec: Any) -> pb.EstimateJobResponse:
+        request = pb.EstimateJobRequest(spec=pb.JobSpec(**{**fleet.alice.defaults, **spec}))
+        response: pb.EstimateJobResponse = await fleet.alice.stub.EstimateJob(
+            request, metadata=fleet.alice.metadata, timeout=30
+        )
+        return response
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await estimate(base_model=KLEIN_4B, mixed_precision=pb.MIXED_PRECISION_BF16)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("spec.gradient_checkpointing:"), err.value
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await estimate(base_model="./my-model")
+    assert (err.value.details() or "").startswith("spec.base_model:"), err.value
+    await estimate(**FLUX_QLORA)  # what fits is estimated
+
+
 @pytest.mark.parametrize("scheduler_overrides", [{"fleet_max_vram_mb": 0}])
 async def test_no_fleet_size_no_refusal(fleet: Fleet) -> None:
     """0 turns the check off: such a job waits for a node that can hold it."""

@@ -154,16 +154,7 @@ class JobHandler:
                 raise InvalidArgument(
                     prefix.replace("spec", "idempotency_key"), "at most 200 characters, no NUL"
                 )
-            if sub.spec.webhook_url:
-                self._webhook_policy.check_url(sub.spec.webhook_url, f"{prefix}.webhook.url")
-            # A job no node of the fleet can hold would wait in the queue for ever.
-            check_fits_fleet(
-                sub.spec, self._fleet_max_vram_mb, cpu_only=self._fleet_cpu_only, prefix=prefix
-            )
-            # A relative local path can never name the same folder on a worker: refused here,
-            # before it becomes a job that could only fail on the fleet.
-            for field in ("base_model", "vae_model"):
-                check_model_ref_shape(f"{prefix}.{field}", getattr(sub.spec, field))
+            self._check_for_this_fleet(sub.spec, prefix)
             await self._check_data(owner, sub.spec, prefix, has_files)
         if api_key_id is not None:
             await self._check_spend_limit(api_key_id, [s.spec for s in submissions])
@@ -237,10 +228,26 @@ class JobHandler:
         """`pace` of the spec's shape (`JobSpec.shape`)."""
         return await self.pace(spec.shape, api_key_id=api_key_id, admission=admission)
 
+    def _check_for_this_fleet(self, spec: JobSpec, prefix: str) -> None:
+        """What submit refuses of a spec beyond its own checks, from this fleet's settings;
+        an estimate refuses the same, so that it never prices a job submit would refuse."""
+        if spec.webhook_url:
+            self._webhook_policy.check_url(spec.webhook_url, f"{prefix}.webhook.url")
+        # A job no node of the fleet can hold would wait in the queue for ever.
+        check_fits_fleet(
+            spec, self._fleet_max_vram_mb, cpu_only=self._fleet_cpu_only, prefix=prefix
+        )
+        # A relative local path can never name the same folder on a worker: refused here,
+        # before it becomes a job that could only fail on the fleet.
+        for field in ("base_model", "vae_model"):
+            check_model_ref_shape(f"{prefix}.{field}", getattr(spec, field))
+
     async def estimate(self, spec: JobSpec, *, api_key_id: str | None) -> Estimate:
         """max_train_steps x the measured pace on jobs of the same shape (the key's own, else
         the fleet's within 2x of the prior: `pace`), priced; no estimate (0) while too few
-        machines have measured it."""
+        machines have measured it. A spec submit would refuse for this fleet is refused here
+        too (its data and spend limit aside: an estimate comes before both)."""
+        self._check_for_this_fleet(spec, "spec")
         pace = await self.spec_pace(spec, api_key_id=api_key_id)
         seconds_per_step = pace.seconds_per_step if pace.measured else 0.0
         seconds = spec.max_train_steps * seconds_per_step
