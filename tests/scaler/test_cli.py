@@ -7,12 +7,14 @@ import argparse
 import asyncio
 import json
 import uuid
+from pathlib import Path
 
 import asyncpg
 import pytest
 
 from lorafleet.app.main import build_parser
-from lorafleet.app.services import run_nodes, run_scaler, run_scaler_log
+from lorafleet.app.services import run_keys, run_nodes, run_scaler, run_scaler_log
+from lorafleet.core.errors import InvalidArgument
 from lorafleet.core.model import Checkpoint, Machine, Qualification
 from lorafleet.core.spec import JobSpec
 from lorafleet.ledger.ledger import Ledger, NewJob
@@ -327,3 +329,25 @@ async def test_scaler_once_beside_an_active_scaler_exits_naming_it(
     err = capsys.readouterr().err
     assert "waited 0.5 s for the scaler lock" in err and "'scaler-on-host-a'" in err
     assert double.actions == [] and await ledger.list_scaler_decisions(10) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["nodes"], ["scaler-log"], ["nodes", "--log"], ["keys", "list"], ["keys", "revoke", "k1"]],
+)
+async def test_reading_a_fleet_from_elsewhere_makes_no_empty_one(
+    argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run from another directory than `lorafleet up`'s, these commands made and migrated a new
+    empty embedded Postgres there and showed its empty fleet as if it were the one running:
+    now they refuse, naming where they looked and how to point them at the fleet."""
+    monkeypatch.delenv("LORAFLEET_DATABASE_URL", raising=False)
+    data_dir = tmp_path / "elsewhere"
+    parser = build_parser(with_services=True)
+    args = parser.parse_args([*argv[:1], "--data-dir", str(data_dir), *argv[1:]])
+    runner = {"nodes": run_nodes, "scaler-log": run_scaler_log, "keys": run_keys}[argv[0]]
+    with pytest.raises(InvalidArgument) as refused:
+        await runner(args)
+    assert refused.value.field == "data_dir"
+    assert "lorafleet up" in str(refused.value) and "--database-url" in str(refused.value)
+    assert not (data_dir / "postgres").exists()

@@ -20,6 +20,7 @@ from typing import Any
 
 import asyncpg
 
+from lorafleet.core.errors import InvalidArgument
 from lorafleet.core.settings import add_flags, load
 from lorafleet.core.telemetry import MetricsServer, configure_tracing
 from lorafleet.core.webhooks import standard_secret
@@ -85,12 +86,25 @@ def _keys_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 @asynccontextmanager
-async def open_ledger(database_url: str, data_dir: Path) -> AsyncIterator[tuple[Ledger, str]]:
-    """The ledger at `database_url` (else the embedded one in `data_dir`), migrated; and its URL."""
+async def open_ledger(
+    database_url: str, data_dir: Path, *, existing: bool = False
+) -> AsyncIterator[tuple[Ledger, str]]:
+    """The ledger at `database_url` (else the embedded one in `data_dir`), migrated; and its URL.
+    `existing`: a command that only reads a fleet's ledger (`nodes`, `scaler-log`, `keys list`)
+    refuses an embedded one that was never made, instead of making an empty one there: run from
+    another directory than `lorafleet up`'s, it would show an empty fleet as if it were the one
+    running."""
     embedded = None
     url = database_url
     if not url:
-        embedded = EmbeddedPostgres(data_dir / "postgres")
+        cluster = data_dir / "postgres"
+        if existing and not (cluster / "PG_VERSION").exists():
+            raise InvalidArgument(
+                "data_dir",
+                f"no fleet's ledger in {cluster}: run this where `lorafleet up` runs (its"
+                " .lorafleet folder), or pass --data-dir or --database-url",
+            )
+        embedded = EmbeddedPostgres(cluster)
         url = await asyncio.to_thread(embedded.start)
     try:
         conn = await asyncpg.connect(url)
@@ -110,7 +124,12 @@ async def open_ledger(database_url: str, data_dir: Path) -> AsyncIterator[tuple[
 
 async def run_keys(args: argparse.Namespace) -> int:
     config = load(SchedulerConfig, args)
-    async with open_ledger(config.database_url, config.data_dir) as (ledger, _url):
+    # A key may be made before the fleet's first start; listing or revoking needs its ledger.
+    existing = args.keys_command != "create"
+    async with open_ledger(config.database_url, config.data_dir, existing=existing) as (
+        ledger,
+        _url,
+    ):
         if args.keys_command == "create":
             created = await create_api_key(
                 ledger,
@@ -231,7 +250,10 @@ async def run_nodes(args: argparse.Namespace) -> int:
     if args.log:
         return await run_scaler_log(args)
     settings = load(ScalerSettings, args)
-    async with open_ledger(settings.database_url, settings.data_dir) as (ledger, _url):
+    async with open_ledger(settings.database_url, settings.data_dir, existing=True) as (
+        ledger,
+        _url,
+    ):
         nodes = await ledger.list_nodes(None, fault_window_s=3600.0, limit=args.limit)
         observations = await ledger.pace_observations(30 * 24 * 3600.0, 100_000)
     # Seconds per step by job shape (JobSpec.shape.key), averaged over its leases: as the
@@ -294,7 +316,10 @@ async def run_nodes(args: argparse.Namespace) -> int:
 
 async def run_scaler_log(args: argparse.Namespace) -> int:
     settings = load(ScalerSettings, args)
-    async with open_ledger(settings.database_url, settings.data_dir) as (ledger, _url):
+    async with open_ledger(settings.database_url, settings.data_dir, existing=True) as (
+        ledger,
+        _url,
+    ):
         decisions = await ledger.list_scaler_decisions(args.limit)
     if args.json:
         for d in decisions:
