@@ -131,3 +131,18 @@ def test_lists_and_a_stored_spec_come_back_as_the_spec() -> None:
     assert spec.validation_prompts == ("a dog", "a cat")
     assert spec.webhook_events == ("succeeded",)
     assert JobSpec.from_dict(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize(
+    ("family", "example"),
+    [("flux", "black-forest-labs/FLUX.1-dev"), ("flux2", "black-forest-labs/FLUX.2-klein-4B")],
+)
+def test_a_flow_family_without_a_base_model_asks_for_one(family: str, example: str) -> None:
+    """model_family flux with the base model left at its default blamed that default ("'stabilityai
+    /stable-diffusion-xl-base-1.0' is a model of family sdxl"), which the user never chose: it
+    asks for a base model of the family and names its public variants."""
+    with pytest.raises(InvalidArgument) as refused:
+        _spec(model_family=family)
+    assert refused.value.field == "base_model"
+    assert f"model_family {family} needs a base model of that family" in str(refused.value)
+    assert example in str(refused.value) and "stable-diffusion-xl" not in str(refused.value)

@@ -23,7 +23,13 @@ from dataclasses import MISSING, dataclass
 from typing import Any, Literal, TypeVar, dataclass_transform, get_args, get_origin, overload
 
 from lorafleet.core.errors import InvalidArgument
-from lorafleet.core.families import REFUSED_HUB_IDS, FamilyName, family_for, variant_for
+from lorafleet.core.families import (
+    REFUSED_HUB_IDS,
+    VARIANTS,
+    FamilyName,
+    family_for,
+    variant_for,
+)
 
 LrSchedulerName = Literal[
     "constant",
@@ -963,6 +969,13 @@ def _check_family(spec: JobSpec) -> None:
     family = spec.family
     variant = variant_for(spec.base_model)
     if variant is not None and variant.family != family:
+        if spec.base_model == DEFAULT_BASE_MODEL:
+            # Not named: the default is SDXL's, which the user never chose.
+            examples = ", ".join(h for v in VARIANTS if v.family == family for h in v.hub_ids)
+            raise InvalidArgument(
+                "base_model",
+                f"model_family {family} needs a base model of that family, e.g. {examples}",
+            )
         raise InvalidArgument(
             "base_model",
             f"{spec.base_model!r} is a model of family {variant.family}; model_family says"
