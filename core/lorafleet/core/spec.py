@@ -1,35 +1,35 @@
-"""The job spec as a domain value: every default filled in, every field checked.
+"""The job spec's declaration, as a domain value: every default filled in, every field checked.
 
 The scheduler stores `JobSpec.to_dict()` in the ledger and hands workers the same explicit spec,
 so a worker never guesses a default. Field names equal the `lorafleet.jobs.v1.JobSpec` proto's.
 
 Each field is declared once, below, with `spec_field`: its default, its help, its bounds, whether
-it changes what is trained and the spec revision it appeared in. Everything else reads that
-declaration: the conversion of a given value to the field's type (`spec_value`, which JobSpec
-runs on every value), the checks (`check_spec`), proto conversion (`serde.spec_from_proto` and
-`spec_to_proto`), the CLI's flags and help, the resume fingerprint's fields
-(`JobSpec.fingerprint_values`) and the README's table (a test compares them). Adding a plain
-field takes the proto field, its line here and the code that uses it.
+it changes what is trained and the spec revision it appeared in (`SpecField`; `SPEC_FIELDS` holds
+them all, `SPEC_FIELD` by name). Everything else reads that declaration:
+
+- the conversion of a given value to the field's type (core/spec_values.py, `typed_value`;
+  `spec_value` here by the field's name), which JobSpec runs on every value;
+- the checks of the values (core/spec_checks.py, `check_spec`), which JobSpec runs next;
+- proto conversion (`serde.spec_from_proto` and `spec_to_proto`), the CLI's flags and help, the
+  resume fingerprint's fields (`JobSpec.fingerprint_values`) and the README's table (a test
+  compares them).
+
+Here too: what a spec's values make of it (`JobSpec.family`, its `shape` as a `JobShape`, the
+keys a worker's warm state is matched by). Adding a plain field takes the proto field, its line
+here and the code that uses it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal, TypeVar, dataclass_transform, get_args, get_origin, overload
 
 from lorafleet.core.errors import InvalidArgument
-from lorafleet.core.families import (
-    REFUSED_HUB_IDS,
-    VARIANTS,
-    FamilyName,
-    family_for,
-    variant_for,
-)
+from lorafleet.core.families import FamilyName, family_for
+from lorafleet.core.spec_values import typed_value
 
 LrSchedulerName = Literal[
     "constant",
@@ -50,16 +50,10 @@ BaseQuantizationName = Literal["none", "nf4", "fp8"]
 
 DEFAULT_BASE_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
 MAX_TRAIN_STEPS = 100_000
-MAX_LABELS = 32
 MAX_PROMPT_CHARS = 2_000
-MAX_PREFIX_CHARS = 512
 MAX_MODEL_REF_CHARS = 512
-# Validation images: prompts per job (or request) and images per prompt and step.
-MAX_SAMPLE_PROMPTS = 16
+# Validation images per prompt and step (prompts per job: spec_checks.MAX_SAMPLE_PROMPTS).
 MAX_SAMPLE_IMAGES = 16
-_LABEL_KEY = re.compile(r"[a-z0-9_.\-]{1,63}")
-# Storage prefixes and file names: plain relative paths, no "." or ".." segments.
-_PATH_SEGMENT = re.compile(r"[A-Za-z0-9_.\-]{1,255}")
 
 # checkpointing_steps 0: the scheduler chooses each lease's interval (scheduler's
 # checkpoint_interval.py) and the grant carries it; a worker never trains with 0.
@@ -84,7 +78,8 @@ class SpecField:
 
     Bounds: `low`..`high` inclusive (`high` may name another field, e.g. max_train_steps), or
     with `positive` greater than 0 and at most `high`; text: at most `max_chars`, or a storage
-    path with `path`; `required` refuses an empty text.
+    path with `path`; `required` refuses an empty text. `spec_checks.check_field` checks them;
+    `spec_values.typed_value` converts a value to the field's `kind`.
     """
 
     help: str
@@ -130,69 +125,6 @@ class SpecField:
         if isinstance(value, (tuple, dict)):
             return "none" if not value else str(value)
         return str(value)
-
-    def typed(self, value: Any) -> Any:
-        """The value in the field's type, or InvalidArgument naming the field and the type it
-        expected (`spec_value`)."""
-        kind = self.kind
-        if kind == "bool" and isinstance(value, bool):
-            return value
-        if kind == "int" and self.zero and value == self.zero:
-            return 0
-        # bool is an int in Python: `guidance_scale: true` would otherwise train with 1.0.
-        if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if kind == "text" and isinstance(value, str):
-            return value
-        if kind == "choice" and isinstance(value, str):
-            return self._choice(self.name, value)
-        if kind in ("texts", "choices") and isinstance(value, (list, tuple)):
-            items = []
-            for i, item in enumerate(value):
-                if not isinstance(item, str):
-                    raise InvalidArgument(f"{self.name}[{i}]", f"expected text, got {_shown(item)}")
-                items.append(self._choice(f"{self.name}[{i}]", item) if self.choices else item)
-            return tuple(items)
-        if kind == "map" and isinstance(value, Mapping):
-            for key, item in value.items():
-                if not isinstance(key, str) or not isinstance(item, str):
-                    bad = item if isinstance(key, str) else key
-                    raise InvalidArgument(
-                        f"{self.name}[{key!r}]", f"expected text, got {_shown(bad)}"
-                    )
-            return dict(value)
-        expected = f"one of {', '.join(self.choices)}" if kind == "choice" else _EXPECTED[kind]
-        if kind == "int" and self.zero:
-            expected += f" or {self.zero}"
-        raise InvalidArgument(self.name, f"expected {expected}, got {_shown(value)}")
-
-    def _choice(self, name: str, value: str) -> str:
-        # Choice names in any case, as the proto's enum names are upper case: FLUX is flux.
-        if value.lower() not in self.choices:
-            what = self.name.replace("_", " ").removesuffix("s" if self.kind == "choices" else "")
-            raise InvalidArgument(name, f"unknown {what} {value!r} (use {', '.join(self.choices)})")
-        return value.lower()
-
-    def check(self, value: Any, spec: JobSpec | None = None, *, name: str = "") -> None:
-        """The declared checks of one value; `name` reports it under another field name."""
-        name = name or self.name
-        if self.kind == "text":
-            if self.path:
-                if value or self.required:
-                    check_path(name, value)
-            elif self.max_chars is not None:
-                _check_text(name, value, max_chars=self.max_chars, required=self.required)
-        if self.kind in ("int", "float") and self.high is not None:
-            high = float(getattr(spec, self.high) if isinstance(self.high, str) else self.high)
-            if self.positive:
-                _check_positive(name, value, high)
-            else:
-                assert self.low is not None
-                _check_range(name, value, self.low, high)
-            if self.multiple_of and value % self.multiple_of:
-                raise InvalidArgument(name, f"must be a multiple of {self.multiple_of}")
 
 
 @overload
@@ -428,7 +360,7 @@ class JobSpec:
         low=1,
         high=100,
     )
-    # Checked in check_spec (keys and values); the proto's `labels` map.
+    # Checked in spec_checks.check_spec (keys and values); the proto's `labels` map.
     labels: Mapping[str, str] = spec_field(
         default_factory=dict,
         help="a label (repeatable)",
@@ -604,7 +536,7 @@ class JobSpec:
         trains=True,
         since=4,
     )
-    # Checked in check_spec, with validation_prompt (at most MAX_SAMPLE_PROMPTS in all).
+    # Checked in spec_checks.check_spec, with validation_prompt (at most MAX_SAMPLE_PROMPTS in all).
     validation_prompts: tuple[str, ...] = spec_field(
         default=(),
         help="more validation prompts (repeatable; after --validation-prompt)",
@@ -648,7 +580,11 @@ class JobSpec:
         # Every way a spec is made (the proto, a stored spec, the SDK's keywords) takes each
         # value through the same conversion: a wrong type fails here, naming its field.
         for f in SPEC_FIELDS:
-            object.__setattr__(self, f.name, f.typed(getattr(self, f.name)))
+            object.__setattr__(self, f.name, typed_value(f, getattr(self, f.name)))
+        # Imported here, not at the top: the checks read this module's SPEC_FIELDS as they are
+        # imported, so spec_checks imports spec and spec can only import it once both exist.
+        from lorafleet.core.spec_checks import check_spec
+
         check_spec(self)
 
     def to_dict(self) -> dict[str, Any]:
@@ -831,222 +767,16 @@ def _describe(cls: type[JobSpec]) -> tuple[SpecField, ...]:
 SPEC_FIELDS = _describe(JobSpec)
 SPEC_FIELD = {f.name: f for f in SPEC_FIELDS}
 
-_EXPECTED: dict[FieldKind, str] = {
-    "bool": "true or false",
-    "int": "an integer",
-    "float": "a number",
-    "text": "text",
-    "texts": "a list of text",
-    "choices": "a list of names",
-    "map": "a mapping of text to text",
-}
-
 
 def spec_value(name: str, value: Any) -> Any:
-    """A JobSpec field's value as a YAML or JSON file, the SDK's keywords or a stored spec give
-    it, in the field's own type: the one conversion every spec's values take (JobSpec itself
-    runs it). Choice names in any case ("FLUX" is flux); an int field's zero word ("auto") is 0;
-    an int is a number. Anything else of another type is refused, naming the field and the type
-    it expected: no bool for a number nor a number for a bool, no number read from text ("512"
-    is refused, as the proto's typed fields refuse it). The value's bounds are `check_spec`'s."""
+    """A JobSpec field's value, named by the field's name, in the field's own type
+    (`spec_values.typed_value`, the one conversion every spec's values take), or InvalidArgument
+    naming the field; a name that is no field is refused. The value's bounds are the checks'
+    (`spec_checks.check_spec`)."""
     declared = SPEC_FIELD.get(name)
     if declared is None:
         raise InvalidArgument(name, "not a job spec field")
-    return declared.typed(value)
-
-
-def _shown(value: Any) -> str:
-    """A value of the wrong type as a YAML or JSON file says it: true, null, '512', a list."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, str):
-        return repr(value) if len(value) <= 40 else repr(value[:40]) + "..."
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, Mapping):
-        return "a mapping"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    return f"a {type(value).__name__}"
-
-
-def check_path(field_name: str, value: str, *, max_chars: int = MAX_PREFIX_CHARS) -> None:
-    """A storage prefix or relative file name: `a/b/c`, no empty, "." or ".." segments."""
-    if not value:
-        raise InvalidArgument(field_name, "must not be empty")
-    if len(value) > max_chars:
-        raise InvalidArgument(field_name, f"must be at most {max_chars} characters")
-    for segment in value.strip("/").split("/") if value.endswith("/") else value.split("/"):
-        if segment in (".", "..") or not _PATH_SEGMENT.fullmatch(segment):
-            raise InvalidArgument(
-                field_name,
-                "must be a relative path of segments made of letters, digits, '_', '.', '-'"
-                f" (got {value!r})",
-            )
-
-
-def _check_text(field_name: str, value: str, *, max_chars: int, required: bool = False) -> None:
-    if required and not value.strip():
-        raise InvalidArgument(field_name, "is required")
-    if len(value) > max_chars:
-        raise InvalidArgument(field_name, f"must be at most {max_chars} characters")
-    if "\x00" in value:
-        raise InvalidArgument(field_name, "must not contain NUL characters")
-
-
-def _check_range(field_name: str, value: float, low: float, high: float) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidArgument(field_name, "must be a finite number")
-    if not low <= value <= high:
-        raise InvalidArgument(field_name, f"must be between {low:g} and {high:g} (got {value:g})")
-
-
-def _check_positive(field_name: str, value: float, high: float) -> None:
-    if not math.isfinite(value) or value <= 0 or value > high:
-        raise InvalidArgument(field_name, f"must be greater than 0 and at most {high:g}")
-
-
-def check_spec(spec: JobSpec) -> None:
-    """Raises InvalidArgument naming the first bad field. Pure: touches no storage.
-
-    Each field's declared checks in turn, then what spans fields or items."""
-    for f in SPEC_FIELDS:
-        f.check(getattr(spec, f.name), spec)
-    if spec.with_prior_preservation and not spec.class_prompt.strip():
-        raise InvalidArgument("class_prompt", "is required with prior preservation")
-    if len(spec.labels) > MAX_LABELS:
-        raise InvalidArgument("labels", f"at most {MAX_LABELS} labels")
-    for key, value in spec.labels.items():
-        if not _LABEL_KEY.fullmatch(key):
-            raise InvalidArgument(f"labels[{key!r}]", "key must match [a-z0-9_.-]{1,63}")
-        _check_text(f"labels[{key!r}]", value, max_chars=255)
-    if spec.webhook_url:
-        _check_text("webhook.url", spec.webhook_url, max_chars=2_048)
-        if not re.fullmatch(r"https?://[^\s/?#]+[^\s]*", spec.webhook_url):
-            raise InvalidArgument("webhook.url", "must be an http:// or https:// URL")
-    elif spec.webhook_events:
-        raise InvalidArgument("webhook.events", "needs webhook.url")
-    if spec.use_8bit_adam and spec.optimizer == "prodigy":
-        raise InvalidArgument(
-            "use_8bit_adam", "is an AdamW option; it cannot be combined with optimizer prodigy"
-        )
-    _check_family(spec)
-    if spec.output_format != "diffusers" and spec.use_dora:
-        raise InvalidArgument(
-            "output_format", "the kohya format holds no DoRA adapters; use diffusers with use_dora"
-        )
-    _check_prompts("validation_prompts", spec.validation_prompts)
-    if len(spec.sample_prompts) > MAX_SAMPLE_PROMPTS:
-        raise InvalidArgument(
-            "validation_prompts", f"at most {MAX_SAMPLE_PROMPTS} prompts with validation_prompt"
-        )
-
-
-# The flow-matching families' image side: their VAEs' latents (1/8 of the side) are packed in
-# 2x2 patches, so diffusers' FluxPipeline and Flux2KleinPipeline need a multiple of
-# vae_scale_factor * 2. Refused at submit, not once a worker has loaded the model (the worker
-# checks it again against the model's own VAE).
-_FLOW_RESOLUTION_MULTIPLE = 16
-
-# Fields of the flow-matching families that mean nothing for SDXL's DDPM objective.
-_FLOW_ONLY = (
-    "guidance_scale",
-    "weighting_scheme",
-    "logit_mean",
-    "logit_std",
-    "mode_scale",
-    "max_sequence_length",
-)
-
-
-def _check_family(spec: JobSpec) -> None:
-    """Refuses, naming the field, what means nothing for the job's family (never ignored)."""
-    refused = REFUSED_HUB_IDS.get(spec.base_model.strip().lower())
-    if refused is not None:
-        raise InvalidArgument("base_model", refused)
-    family = spec.family
-    variant = variant_for(spec.base_model)
-    if variant is not None and variant.family != family:
-        if spec.base_model == DEFAULT_BASE_MODEL:
-            # Not named: the default is SDXL's, which the user never chose.
-            examples = ", ".join(h for v in VARIANTS if v.family == family for h in v.hub_ids)
-            raise InvalidArgument(
-                "base_model",
-                f"model_family {family} needs a base model of that family, e.g. {examples}",
-            )
-        raise InvalidArgument(
-            "base_model",
-            f"{spec.base_model!r} is a model of family {variant.family}; model_family says"
-            f" {family}",
-        )
-    if family == "sdxl":
-        for name in _FLOW_ONLY:
-            if getattr(spec, name) != SPEC_FIELD[name].default:
-                raise InvalidArgument(
-                    name, "applies to the flow-matching families (flux, flux2), not sdxl"
-                )
-        return
-    if spec.resolution % _FLOW_RESOLUTION_MULTIPLE:
-        raise InvalidArgument(
-            "resolution",
-            f"the {family} family needs a multiple of {_FLOW_RESOLUTION_MULTIPLE} pixels"
-            f" (got {spec.resolution})",
-        )
-    for name, reason in (
-        ("snr_gamma", "min-SNR weighting is for DDPM objectives; use weighting_scheme"),
-        ("noise_offset", "offset noise is for DDPM objectives"),
-    ):
-        if getattr(spec, name) != SPEC_FIELD[name].default:
-            raise InvalidArgument(name, f"means nothing for the {family} family: {reason}")
-    if family == "flux2" and spec.train_text_encoder:
-        raise InvalidArgument(
-            "train_text_encoder",
-            "FLUX.2 [klein]'s text encoder is a Qwen3 language model that stays frozen;"
-            " lorafleet trains the transformer only",
-        )
-    if family == "flux2" and spec.validation_negative_prompt:
-        raise InvalidArgument("validation_negative_prompt", FLUX2_NEGATIVE_PROMPT)
-    for name, scheme in (
-        ("logit_mean", "logit_normal"),
-        ("logit_std", "logit_normal"),
-        ("mode_scale", "mode"),
-    ):
-        if getattr(spec, name) != SPEC_FIELD[name].default and spec.weighting_scheme != scheme:
-            raise InvalidArgument(name, f"applies to weighting_scheme {scheme} only")
-
-
-# Flux2KleinPipeline takes no negative prompt text (only precomputed embeddings).
-FLUX2_NEGATIVE_PROMPT = "FLUX.2 [klein]'s pipeline takes no negative prompt; leave it empty"
-
-
-def _check_prompts(field_name: str, prompts: tuple[str, ...]) -> None:
-    if len(prompts) > MAX_SAMPLE_PROMPTS:
-        raise InvalidArgument(field_name, f"at most {MAX_SAMPLE_PROMPTS} prompts")
-    for i, prompt in enumerate(prompts):
-        _check_text(f"{field_name}[{i}]", prompt, max_chars=MAX_PROMPT_CHARS, required=True)
-
-
-def check_sample_settings(
-    *,
-    prompts: tuple[str, ...],
-    negative_prompt: str,
-    guidance_scale: float,
-    inference_steps: int,
-    num_images: int,
-    prefix: str,
-) -> None:
-    """Validation images' settings of a request (`prefix` names its fields), with the bounds
-    of the job spec's validation fields."""
-    _check_prompts(f"{prefix}prompts", prompts)
-    for spec_name, value, name in (
-        ("validation_negative_prompt", negative_prompt, f"{prefix}negative_prompt"),
-        ("validation_guidance_scale", guidance_scale, f"{prefix}guidance_scale"),
-        ("validation_inference_steps", inference_steps, f"{prefix}inference_steps"),
-        ("num_validation_images", num_images, f"{prefix}num_images"),
-    ):
-        SPEC_FIELD[spec_name].check(value, name=name)
+    return typed_value(declared, value)
 
 
 def adapter_shape_key(

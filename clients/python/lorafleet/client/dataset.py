@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from lorafleet.core.errors import InvalidArgument, StorageError
-from lorafleet.core.spec import check_path
+from lorafleet.core.spec_checks import check_path
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 CAPTION_SUFFIX = ".txt"

@@ -27,13 +27,8 @@ from lorafleet.core.model import (
     upload_key,
 )
 from lorafleet.core.model_refs import check_model_ref_shape
-from lorafleet.core.spec import (
-    FLUX2_NEGATIVE_PROMPT,
-    JobShape,
-    JobSpec,
-    check_path,
-    check_sample_settings,
-)
+from lorafleet.core.spec import JobShape, JobSpec
+from lorafleet.core.spec_checks import FLUX2_NEGATIVE_PROMPT, check_path, check_sample_settings
 from lorafleet.ledger.ledger import Ledger, NewJob, ShapePace, WebhookDeliveryRecord
 from lorafleet.scheduler.notifications import Notifications
 from lorafleet.scheduler.paces import Pace
