@@ -9,6 +9,7 @@ agent's state) and bounded.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import threading
 from collections.abc import Sequence
@@ -150,9 +151,17 @@ def _lease_runner(agent: Agent) -> LeaseRunner:
     return runner
 
 
-def reference_lora(fleet: Fleet, spec: Any) -> bytes:
+async def reference_lora(fleet: Fleet, spec: Any) -> bytes:
     """The uninterrupted run of `spec` on the test images, in this process (sampling settings
-    as the test workers have them)."""
+    as the test workers have them), in a thread of its own: a thread of asyncio's pool keeps
+    the intra-op thread count torch had when it first ran a parallel op there (an earlier test
+    module's, not this module's one thread), and another count sums in another order: the
+    reference came out different bits under some test orders."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as fresh:
+        return await asyncio.get_running_loop().run_in_executor(fresh, _reference_lora, fleet, spec)
+
+
+def _reference_lora(fleet: Fleet, spec: Any) -> bytes:
     files = {f"{i}.png": png(i) for i in range(NUM_IMAGES)}
     worker = fleet.worker_config("reference")
     config = TrainingConfig(
@@ -327,7 +336,7 @@ async def test_superseded_lease_stops_then_the_regrant_resumes(
     assert late == [], f"epoch-1 messages after the lease ended: {kinds(late)}"
     spec = (await fleet.scheduler.ledger.get_job_any_owner(job.job_id)).spec  # type: ignore[union-attr]
     data = await fleet.scheduler.storage.get_bytes(done.result.key)
-    reference = await asyncio.to_thread(reference_lora, fleet, spec)
+    reference = await reference_lora(fleet, spec)
     assert hashlib.sha256(data).hexdigest() == hashlib.sha256(reference).hexdigest()
 
 
@@ -494,7 +503,7 @@ async def test_drain_then_resume_skips_a_corrupt_checkpoint(
     assert "step 5" in notice and "sha256" in notice
     spec = (await fleet.scheduler.ledger.get_job_any_owner(job.job_id)).spec  # type: ignore[union-attr]
     data = await fleet.scheduler.storage.get_bytes(done.result.key)
-    reference = await asyncio.to_thread(reference_lora, fleet, spec)
+    reference = await reference_lora(fleet, spec)
     assert hashlib.sha256(data).hexdigest() == hashlib.sha256(reference).hexdigest()
 
 
@@ -648,7 +657,7 @@ async def test_generated_class_images_are_stored_and_reused_on_resume(
     assert _lease_runner(second).notices == []
     spec = (await fleet.scheduler.ledger.get_job_any_owner(job.job_id)).spec  # type: ignore[union-attr]
     data = await fleet.scheduler.storage.get_bytes(done.result.key)
-    reference = await asyncio.to_thread(reference_lora, fleet, spec)
+    reference = await reference_lora(fleet, spec)
     assert hashlib.sha256(data).hexdigest() == hashlib.sha256(reference).hexdigest()
 
 
@@ -716,7 +725,7 @@ async def test_a_resuming_worker_trains_only_on_class_images_the_ledger_recorded
     assert again.steps[0] == 4
     spec = (await fleet.scheduler.ledger.get_job_any_owner(job.job_id)).spec  # type: ignore[union-attr]
     data = await fleet.scheduler.storage.get_bytes(done.result.key)
-    reference = await asyncio.to_thread(reference_lora, fleet, spec)
+    reference = await reference_lora(fleet, spec)
     assert hashlib.sha256(data).hexdigest() == hashlib.sha256(reference).hexdigest()
 
 
