@@ -266,8 +266,9 @@ async def test_a_sample_task_goes_to_a_worker_serving_its_jobs_family(fleet: Fle
     "scheduler_overrides", [{"fleet_accelerator": "cpu", "fleet_max_vram_mb": 24_576}]
 )
 async def test_a_cpu_fleet_refuses_a_quantized_base_at_submit(fleet: Fleet) -> None:
-    """`lorafleet up` without a GPU: its workers could only refuse nf4 once a node was spent on
-    the job, so submit refuses it; and a job too big for the fleet is never told to quantize."""
+    """`lorafleet up` without a GPU: its workers could only refuse nf4, fp16 or 8-bit AdamW once
+    a node was spent on the job, so submit refuses them; and a job too big for the fleet is never
+    told to quantize."""
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await fleet.alice.submit(**FLUX_QLORA)
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
@@ -280,3 +281,24 @@ async def test_a_cpu_fleet_refuses_a_quantized_base_at_submit(fleet: Fleet) -> N
     # FLUX.1-dev does not fit 24 GiB unquantized whatever else changes: a smaller variant.
     assert details.startswith("spec.base_model:"), details
     assert "nf4" not in details and "smaller variant" in details, details
+    # Every lever already pulled: no empty "with :" clause (an outside attack saw one).
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await fleet.alice.submit(
+            base_model=FLUX_DEV,
+            mixed_precision=pb.MIXED_PRECISION_BF16,
+            gradient_checkpointing=True,
+            resolution=512,
+        )
+    details = err.value.details() or ""
+    assert details.startswith("spec.base_model:"), details
+    assert "no option of the job lowers it" in details and "with :" not in details, details
+    # What else only a CUDA GPU does is refused at submit too, not a lease later.
+    for spec, field in (
+        (dict(mixed_precision=pb.MIXED_PRECISION_FP16), "mixed_precision"),
+        (dict(use_8bit_adam=True), "use_8bit_adam"),
+        (dict(optimizer=pb.OPTIMIZER_ADAMW_8BIT), "optimizer"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.alice.submit(base_model=LOCAL_MODEL, **spec)
+        details = err.value.details() or ""
+        assert details.startswith(f"spec.{field}:") and "CUDA" in details, details

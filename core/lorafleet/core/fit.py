@@ -11,8 +11,8 @@ from the largest node class the operator runs (`fleet_max_vram_mb`, the schedule
 LORAFLEET_FLEET_MAX_VRAM_MB), not from the nodes connected now: a fleet scaled to zero has
 none to ask. The refusal names the field whose change would make the job fit. A fleet whose
 nodes are CPUs (`lorafleet up` on a machine without a GPU, or the scheduler's
-LORAFLEET_FLEET_ACCELERATOR cpu) refuses a quantized base at submit: a worker could only refuse
-it after a node was spent on it.
+LORAFLEET_FLEET_ACCELERATOR cpu) refuses a quantized base, fp16 and 8-bit AdamW at submit: a
+worker could only refuse them after a node was spent on the job.
 """
 
 from __future__ import annotations
@@ -80,14 +80,10 @@ def check_fits_fleet(
 ) -> None:
     """Raises InvalidArgument, naming the field that would fix it, when the job's memory need
     exceeds the largest node the fleet runs (`fleet_max_vram_mb`; 0: no check), or when it
-    quantizes its base and the fleet's nodes are CPUs (`cpu_only`)."""
-    if cpu_only and spec.base_quantization != "none":
-        raise InvalidArgument(
-            f"{prefix}.base_quantization",
-            f"{spec.base_quantization} quantizes the frozen base on a CUDA GPU (bitsandbytes,"
-            " torchao) and this fleet's nodes are CPUs (the scheduler's"
-            " LORAFLEET_FLEET_ACCELERATOR cpu): use none",
-        )
+    asks for what only a CUDA GPU does (a quantized base, fp16, 8-bit AdamW) and the fleet's
+    nodes are CPUs (`cpu_only`)."""
+    if cpu_only:
+        _check_cpu_fleet(spec, prefix)
     if fleet_max_vram_mb <= 0:
         return
     need = vram_need_mb(spec)
@@ -110,7 +106,10 @@ def check_fits_fleet(
         if args[arg] != value and not (cpu_only and field == "base_quantization")
     ]
     current = dict.fromkeys(f"{field} {_word(args[arg])}" for field, arg, _ in levers)
-    said = f"needs ~{_gib(need)} (estimated) with {', '.join(current)}; {largest}"
+    said = f"needs ~{_gib(need)} (estimated)"
+    if current:
+        said += f" with {', '.join(current)}"
+    said += f"; {largest}"
 
     def estimate(changes: dict[str, Any]) -> int:
         value = estimate_vram_mb(**(args | changes))
@@ -137,8 +136,40 @@ def check_fits_fleet(
             raise InvalidArgument(
                 f"{prefix}.{first}", f"{said}; with {', '.join(named.values())} ~{_gib(fits)}"
             )
+    # Every lever already pulled, or none lowers the need (the prompt encoding's peak holds
+    # whatever the steps take).
+    still = (
+        f"still ~{_gib(lowest)} with {', '.join(named.values())}"
+        if named
+        else "no option of the job lowers it"
+    )
     raise InvalidArgument(
         f"{prefix}.base_model",
-        f"{said}, and still ~{_gib(lowest)} with {', '.join(named.values())}: train a smaller"
-        " variant of the family, or run larger nodes",
+        f"{said}, and {still}: train a smaller variant of the family, or run larger nodes",
     )
+
+
+# What a CPU node cannot do, refused at submit rather than by the worker a lease later (a
+# failure there also spends the node's lease): field, the value it has, why.
+def _check_cpu_fleet(spec: JobSpec, prefix: str) -> None:
+    fleet = "this fleet's nodes are CPUs (the scheduler's LORAFLEET_FLEET_ACCELERATOR cpu)"
+    if spec.base_quantization != "none":
+        raise InvalidArgument(
+            f"{prefix}.base_quantization",
+            f"{spec.base_quantization} quantizes the frozen base on a CUDA GPU (bitsandbytes,"
+            f" torchao) and {fleet}: use none",
+        )
+    if spec.mixed_precision == "fp16":
+        raise InvalidArgument(
+            f"{prefix}.mixed_precision",
+            f"fp16 training (loss scaling) needs a CUDA GPU and {fleet}: use bf16 or no",
+        )
+    for field, on in (
+        ("use_8bit_adam", spec.use_8bit_adam),
+        ("optimizer", spec.optimizer == "adamw_8bit"),
+    ):
+        if on:
+            raise InvalidArgument(
+                f"{prefix}.{field}",
+                f"bitsandbytes' 8-bit AdamW needs a CUDA GPU and {fleet}: use adamw",
+            )
