@@ -156,6 +156,7 @@ def test_a_spec_file_names_the_webhook_as_the_options_table_does() -> None:
         ("labels", {"version": 2}, "labels['version']: expected text, got 2"),
         ("validation_prompts", ["a dog", 3], "validation_prompts[1]: expected text, got 3"),
         ("webhook", "https://hooks.example/a", "webhook: expected a mapping of url and events"),
+        ("seed", 10**30, f"seed: {10**30} is out of range"),  # was a bare ValueError
     ],
 )
 def test_a_spec_file_value_of_the_wrong_type_is_refused_naming_it(

@@ -146,3 +146,11 @@ def test_a_flow_family_without_a_base_model_asks_for_one(family: str, example: s
     assert refused.value.field == "base_model"
     assert f"model_family {family} needs a base model of that family" in str(refused.value)
     assert example in str(refused.value) and "stable-diffusion-xl" not in str(refused.value)
+
+
+def test_flux2_refuses_a_text_encoder_learning_rate() -> None:
+    """klein's Qwen3 never trains: its learning rate was silently accepted (an outside attack),
+    where train_text_encoder is refused; both name the field now."""
+    refused = _refused(**FLUX2, text_encoder_learning_rate=1e-4)
+    assert refused.field == "text_encoder_learning_rate" and "Qwen3" in str(refused)
+    _spec(**FLUX, text_encoder_learning_rate=1e-4)  # FLUX.1 may train CLIP

@@ -193,12 +193,14 @@ def _check_family(spec: JobSpec) -> None:
     ):
         if getattr(spec, name) != SPEC_FIELD[name].default:
             raise InvalidArgument(name, f"means nothing for the {family} family: {reason}")
-    if family == "flux2" and spec.train_text_encoder:
-        raise InvalidArgument(
-            "train_text_encoder",
-            "FLUX.2 [klein]'s text encoder is a Qwen3 language model that stays frozen;"
-            " lorafleet trains the transformer only",
-        )
+    if family == "flux2":
+        for name in ("train_text_encoder", "text_encoder_learning_rate"):
+            if getattr(spec, name) != SPEC_FIELD[name].default:
+                raise InvalidArgument(
+                    name,
+                    "FLUX.2 [klein]'s text encoder is a Qwen3 language model that stays frozen;"
+                    " lorafleet trains the transformer only",
+                )
     if family == "flux2" and spec.validation_negative_prompt:
         raise InvalidArgument("validation_negative_prompt", FLUX2_NEGATIVE_PROMPT)
     for name, scheme in (

@@ -196,7 +196,10 @@ def build_spec(spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any) -
         elif field.is_repeated:
             getattr(msg, name).extend(value)
         else:
-            setattr(msg, name, value)
+            try:
+                setattr(msg, name, value)
+            except ValueError:  # past the wire's integer: "Value out of range"
+                raise InvalidArgument(name, f"{value} is out of range") from None
     if webhook:
         if not isinstance(webhook, Mapping):
             raise InvalidArgument("webhook", "expected a mapping of url and events")
