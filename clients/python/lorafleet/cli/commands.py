@@ -51,7 +51,7 @@ from lorafleet.client import AsyncClient
 from lorafleet.client.api import build_spec
 from lorafleet.client.dataset import TrainingFile, read_folder
 from lorafleet.core.errors import InvalidArgument
-from lorafleet.core.model import RESULT_FILE_NAMES, Job, JobState, result_format
+from lorafleet.core.model import RESULT_FILE_NAMES, Estimate, Job, JobState, result_format
 from lorafleet.core.spec import JobSpec
 
 # The client commands: each talks to a scheduler over gRPC and imports no service.
@@ -78,8 +78,9 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
 
 
 async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
-    """Checks everything it can (spec, folders, zips, every image decodes) before uploading
-    anything, then uploads, then submits."""
+    """Checks everything it can (spec, folders, zips, every image decodes, then the
+    scheduler's checks of the spec for this fleet) before uploading anything, then uploads,
+    then submits."""
     uploads: list[tuple[str, list[TrainingFile]]] = []
     if args.batch:
         documents = load_document(Path(args.batch), "batch")
@@ -118,7 +119,7 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
             spec.setdefault("instance_data_prefix", args.prefix or upload_prefix(source))
         if args.class_images:
             spec.setdefault("class_data_prefix", upload_prefix(Path(args.class_images).name))
-        build_spec(spec)  # the scheduler's own checks, before anything is uploaded
+        build_spec(spec)  # the spec's own checks, as the scheduler runs them
         if source:
             files = await read_images(
                 client, folder=args.images, zip_file=args.images_zip, url=args.images_url
@@ -132,8 +133,15 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
             say_skipped(args.class_images, skipped)
             uploads.append((spec["class_data_prefix"], class_files))
         specs = [spec]
+    # The scheduler's checks of each spec for this fleet (a job no node of it can hold, a
+    # webhook host it forbids) before anything is uploaded: EstimateJob runs SubmitJob's, the
+    # data's presence and the spend limit aside.
+    estimates = (
+        await estimate_each(client, specs, in_batch=bool(args.batch))
+        if (args.estimate or uploads)
+        else []
+    )
     if args.estimate:
-        estimates = [await client.estimate(s) for s in specs]
         if args.json:
             print_json([estimate_json(e) for e in estimates])
         else:
@@ -154,6 +162,22 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
     if args.watch and len(jobs) == 1:
         return await watch(client, jobs[0].job_id, as_json=args.json)
     return 0
+
+
+async def estimate_each(
+    client: AsyncClient, specs: list[dict[str, Any]], *, in_batch: bool
+) -> list[Estimate]:
+    """Each spec's estimate; a refusal names the field as the batch file does (`batch[1].x`)."""
+    estimates = []
+    for i, spec in enumerate(specs):
+        try:
+            estimates.append(await client.estimate(spec))
+        except InvalidArgument as exc:
+            if not in_batch:
+                raise
+            field = exc.field.removeprefix("spec.")
+            raise InvalidArgument(f"batch[{i}].{field}", exc.reason) from None
+    return estimates
 
 
 async def watch(client: AsyncClient, job_id: str, *, as_json: bool) -> int:

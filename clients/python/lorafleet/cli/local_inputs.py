@@ -76,8 +76,9 @@ def family_from_local_model(spec: dict[str, Any], *, where: str = "") -> str | N
     up`, where the workers read the same folder) names its own family in its model_index.json:
     the spec takes it. Otherwise the scheduler would take an unknown local model for sdxl and
     the worker fail the job once it loaded it. A family named that the folder contradicts, a
-    pipeline lorafleet does not train or refuses, or an unreadable model_index.json is refused
-    here, naming base_model, before anything is uploaded.
+    pipeline lorafleet does not train or refuses, an unreadable model_index.json, or a file or
+    a folder without model_index.json at that path is refused here, naming base_model, before
+    anything is uploaded.
     Returns a note for the user when it filled the family in."""
     base_model = str(spec.get("base_model") or "")
     index = Path(base_model) / "model_index.json"
@@ -89,9 +90,24 @@ def family_from_local_model(spec: dict[str, Any], *, where: str = "") -> str | N
             f"{base_model!r} is a model folder here, but the workers need its absolute path"
             f" (a relative one reads as a hub id): {Path(base_model).resolve()}",
         )
-    if not os.path.isabs(base_model) or not index.is_file():
+    if not os.path.isabs(base_model) or not os.path.exists(base_model):
         return None  # a hub id, or a folder only the workers have: the worker checks it
     field = f"{where}base_model"
+    # Something here at that path that is no pipeline folder would be uploaded as a job that
+    # could only fail on the worker, once it loaded the model.
+    if not os.path.isdir(base_model):
+        folder = Path(base_model).parent
+        raise InvalidArgument(
+            field,
+            f"{base_model!r} is a file: a local model is a diffusers pipeline folder"
+            + (f" ({folder}?)" if (folder / "model_index.json").is_file() else ""),
+        )
+    if not index.is_file():
+        raise InvalidArgument(
+            field,
+            f"{base_model!r} holds no model_index.json: a local model is a diffusers pipeline"
+            " folder",
+        )
     try:
         document = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,29 @@ def parse_labels(pairs: list[str], field: str = "label") -> dict[str, str]:
     return labels
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: PyYAML follows YAML 1.1, where `1e-3` (no
+    dot) is a string, so `learning_rate: 1e-3`, the README's own value, was refused as "expected
+    a number". A subclass, so that no other YAML this process reads changes."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:float"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    # YAML 1.2's core schema: 1e-3, 1E5, .5, 2.0, -1.5e+3, and .inf/.nan as before.
+    re.compile(
+        r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
 def load_document(path: Path, field: str) -> Any:
     """The document in a --spec or --batch file (`field` names the flag): JSON for a .json
     file, else YAML. A file that cannot be read or parsed is one line naming it and where it
@@ -112,7 +136,7 @@ def load_document(path: Path, field: str) -> Any:
                 f"{path} is not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}",
             ) from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise InvalidArgument(field, f"{path} is not valid YAML{_yaml_where(exc)}") from None
 
