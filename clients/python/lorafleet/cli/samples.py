@@ -90,7 +90,15 @@ async def samples_command(client: AsyncClient, args: argparse.Namespace) -> int:
         return 0
     downloaded = await client.download_samples(args.job_id)
     if not downloaded:
-        print("no validation images yet")
+        job = await client.get(args.job_id)
+        if job.spec.sample_prompts:
+            print("no validation images yet")
+        else:
+            # "yet" promised images that a job without validation prompts never makes.
+            print(
+                f"{args.job_id} has no validation prompts; ask for images of a finished job with"
+                f" `lorafleet samples {args.job_id} --prompt P --step N`"
+            )
         return 1
     directory = Path(args.output or f"{args.job_id}-samples")
     for info, data in downloaded:

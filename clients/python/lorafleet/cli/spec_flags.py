@@ -50,7 +50,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
             continue  # their own flags, after the loop
         flag, dest, help_text = f.flag, f"spec_{f.name}", _spec_help(f)
         if f.kind == "choice":
-            group.add_argument(flag, dest=dest, choices=f.choices, help=help_text)
+            # In any case, as a spec file's or the SDK's value (`FLUX` is flux): the choices
+            # are lower case.
+            group.add_argument(flag, dest=dest, type=str.lower, choices=f.choices, help=help_text)
         elif f.kind == "texts":
             # e.g. --validation-prompts "..." --validation-prompts "...": once per value.
             group.add_argument(flag, dest=dest, action="append", metavar="TEXT", help=help_text)
@@ -80,6 +82,7 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
         events.flag,
         action="append",
         default=[],
+        type=str.lower,
         choices=events.choices,
         help=_spec_help(events),
     )

@@ -21,7 +21,12 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from lorafleet.cli.commands import JOB_COMMANDS, add_job_commands, run_job_command
+from lorafleet.cli.commands import (
+    JOB_COMMANDS,
+    OneLineErrorParser,
+    add_job_commands,
+    run_job_command,
+)
 from lorafleet.core.errors import LorafleetError
 from lorafleet.core.telemetry import configure_logging, configure_tracing
 
@@ -31,7 +36,8 @@ SERVICE_COMMANDS = ("scheduler", "keys", "scaler", "nodes", "scaler-log", "up", 
 
 
 def build_parser(*, with_services: bool) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # Its subparsers are of its class (argparse's default): one-line errors for all of them.
+    parser: argparse.ArgumentParser = OneLineErrorParser(
         prog="lorafleet", description="SDXL DreamBooth-LoRA fine-tuning on interruptible GPUs."
     )
     sub = parser.add_subparsers(dest="command", required=True)
