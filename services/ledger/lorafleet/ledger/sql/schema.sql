@@ -470,6 +470,9 @@ $$;
 -- expired or failed (as its holder said: input, internal) with no checkpoint recorded under
 -- them. Past a limit the machine is granted
 -- nothing (claim_job): taking and dropping leases is how a stream collects their URLs.
+-- An input fault the fleet accepted as the job's (the job failed as INPUT, confirmed by
+-- fail_attempt, which counts no node fault: not one that failed at max_node_faults) is the
+-- user's, not the machine's, and is not counted (0026); one it did not accept is.
 CREATE FUNCTION lorafleet_empty_leases(machine text, window_s float8) RETURNS bigint
 LANGUAGE sql STABLE AS $$
     SELECT count(*) FROM leases q
@@ -478,6 +481,11 @@ LANGUAGE sql STABLE AS $$
       AND q.ended_at > now() - make_interval(secs => window_s)
       AND NOT EXISTS (SELECT 1 FROM checkpoints c
                       WHERE c.job_id = q.job_id AND c.epoch = q.epoch)
+      AND NOT (q.end_reason = 'failed: input'
+               AND EXISTS (SELECT 1 FROM jobs j
+                           WHERE j.job_id = q.job_id AND j.state = 'FAILED'
+                             AND j.failure_class = 'INPUT'
+                             AND j.node_faults < j.max_node_faults))
 $$;
 
 -- The settings of a job's validation images, from its spec (defaults for older specs).

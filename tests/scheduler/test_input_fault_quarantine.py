@@ -1,0 +1,125 @@
+"""Input faults and the empty-lease quarantine, against a real Postgres.
+
+A lease that ended in an input fault the fleet accepted as the job's (the job failed as INPUT:
+an operator-run machine's word, or two machines in good standing) is the user's fault and no
+empty lease toward its machine's quarantine: ten bad specs on `lorafleet up` quarantined its
+only worker for an hour. An input fault the fleet did not accept still counts: a hostile
+machine must not get around the quarantine by calling every input bad.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from lorafleet.core.model import FailureClass, Job, JobState
+from lorafleet.ledger.ledger import Ledger, Quarantine
+from tests.scheduler.test_ledger import SECRET, TTL_S, in_good_standing, new_job
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def _operator_run(ledger: Ledger, machine_id: str) -> None:
+    """The machine's id was vouched for by `lorafleet up`'s local supervisor."""
+    async with ledger._conn() as conn:
+        await conn.execute(
+            "INSERT INTO machines (machine_id, identity_provider) VALUES ($1, 'local')",
+            machine_id,
+        )
+
+
+async def _fail_input(ledger: Ledger, machine_id: str) -> Job | None:
+    """Claims a job on the machine and reports an input fault on it; the job after, or None
+    when the machine is granted nothing."""
+    granted = await ledger.claim_job(machine_id, 10**7, TTL_S, secret_sha256=SECRET)
+    if granted is None:
+        return None
+    assert granted.lease_id is not None
+    after = await ledger.fail_attempt(
+        granted.lease_id, granted.epoch, FailureClass.INPUT, "base_model: another family"
+    )
+    assert after is not None
+    return after
+
+
+@pytest.fixture
+async def strict(database_url: str) -> AsyncIterator[Ledger]:
+    """A ledger whose machines are quarantined after two empty leases in an hour."""
+    ledger = await Ledger.connect(database_url, quarantine=Quarantine(empty_lease_limit=2))
+    yield ledger
+    await ledger.close()
+
+
+async def test_input_faults_an_operator_run_machine_reported_do_not_quarantine_it(
+    ledger: Ledger,
+) -> None:
+    """`lorafleet up`'s one worker fails ten jobs on their own inputs within the hour (the
+    default limit is ten empty leases): each job fails as INPUT at once, and the worker is
+    still granted the next job."""
+    assert ledger.quarantine.empty_lease_limit == 10
+    await _operator_run(ledger, "vm-local-0")
+    await ledger.insert_jobs("alice", [new_job() for _ in range(11)])
+    for _ in range(10):
+        after = await _fail_input(ledger, "vm-local-0")
+        assert after is not None and after.state is JobState.FAILED
+        assert after.failure_class is FailureClass.INPUT
+    assert await ledger.claim_job("vm-local-0", 10**7, TTL_S, secret_sha256=SECRET) is not None
+
+
+async def test_input_faults_the_fleet_did_not_accept_still_quarantine(strict: Ledger) -> None:
+    """A fresh, unverified machine's input faults re-queue the jobs (node faults on them): its
+    leases ended empty, and past the limit it is granted nothing more."""
+    await strict.insert_jobs("alice", [new_job() for _ in range(3)])
+    for _ in range(2):
+        after = await _fail_input(strict, "fresh")
+        assert after is not None and after.state is JobState.QUEUED
+        assert after.node_faults == 1
+    assert await _fail_input(strict, "fresh") is None
+    # The jobs wait for honest machines: another machine is granted one.
+    assert await strict.claim_job("other", 10**7, TTL_S, secret_sha256=SECRET) is not None
+
+
+async def test_a_confirmation_frees_the_first_reporter_too(
+    strict: Ledger, database_url: str
+) -> None:
+    """Two machines in good standing report the same job's input fault: until the second
+    confirms it, the first one's lease is empty (one machine's word); once the job failed as
+    INPUT, neither lease counts."""
+    bad = (await strict.insert_jobs("alice", [new_job(priority=1)]))[0]
+    await strict.insert_jobs("alice", [new_job() for _ in range(2)])
+    await in_good_standing(database_url, "a", "b")
+    after = await _fail_input(strict, "a")
+    assert after is not None and after.job_id == bad.job_id and after.state is JobState.QUEUED
+    # A second empty lease (a job given up unworked) reaches the limit: a is quarantined.
+    taken = await strict.claim_job("a", 10**7, TTL_S, secret_sha256=SECRET)
+    assert taken is not None and taken.lease_id is not None
+    await strict.drain_lease(taken.lease_id, taken.epoch, "spot")
+    assert await strict.claim_job("a", 10**7, TTL_S, secret_sha256=SECRET) is None
+    after = await _fail_input(strict, "b")
+    assert after is not None and after.job_id == bad.job_id
+    assert after.state is JobState.FAILED and after.failure_class is FailureClass.INPUT
+    # The fault is the job's now: a's report of it no longer counts against a.
+    assert await strict.claim_job("a", 10**7, TTL_S, secret_sha256=SECRET) is not None
+
+
+async def test_a_job_failed_at_max_node_faults_is_not_an_accepted_input_fault(
+    strict: Ledger,
+) -> None:
+    """Ten fresh machines each calling one job's inputs bad fail it at max_node_faults (its
+    class the last report's, INPUT), but the fleet never accepted the fault: their leases are
+    still empty ones, so a group cannot fail jobs this way and escape the quarantine."""
+    bad = (await strict.insert_jobs("alice", [new_job(priority=1)]))[0]
+    await strict.insert_jobs("alice", [new_job()])
+    machines = [f"fresh-{n}" for n in range(bad.max_node_faults)]
+    for machine in machines:
+        after = await _fail_input(strict, machine)
+        assert after is not None and after.job_id == bad.job_id
+    assert after is not None
+    assert after.state is JobState.FAILED and after.failure_class is FailureClass.INPUT
+    # One more empty lease (given up unworked) reaches the limit of two for the last of them.
+    last = machines[-1]
+    taken = await strict.claim_job(last, 10**7, TTL_S, secret_sha256=SECRET)
+    assert taken is not None and taken.lease_id is not None
+    await strict.drain_lease(taken.lease_id, taken.epoch, "spot")
+    assert await strict.claim_job(last, 10**7, TTL_S, secret_sha256=SECRET) is None
