@@ -20,7 +20,7 @@ from lorafleet.worker.training import (
     load_checkpoint,
     serialize_checkpoint,
 )
-from lorafleet.worker.training.base_model import load_components
+from lorafleet.worker.training.base_model import detect_family, load_components
 from lorafleet.worker.training.checkpoint import (
     DeviceSnapshotter,
     HostTensors,
@@ -93,11 +93,14 @@ def test_frozen_weights_take_the_mixed_precision_dtype(
     the memory of fp32); the LoRA is still trained and saved in fp32."""
     spec = tiny_spec(max_train_steps=2, mixed_precision=precision, train_text_encoder=True)
     config = make_config(tiny_model_dir, spec)
-    half = load_components(config, resolve_runtime(config))
+    half = load_components(config, resolve_runtime(config), detect_family(config))
     assert half.denoiser.dtype == dtype
     assert all(encoder.dtype == dtype for encoder in half.text_encoders.values())
     config = make_config(tiny_model_dir, spec, frozen_dtype="fp32")
-    assert load_components(config, resolve_runtime(config)).denoiser.dtype == torch.float32
+    assert (
+        load_components(config, resolve_runtime(config), detect_family(config)).denoiser.dtype
+        == torch.float32
+    )
     outcome, _ = train(spec)
     assert all(t.dtype == torch.float32 for t in lora_tensors(outcome).values())
 
@@ -204,5 +207,5 @@ def test_a_quantized_base_trains_fp32_lora_and_resumes_exactly(
     resumed, _ = run(resume=load_checkpoint(serialize_checkpoint(stopped.snapshot)))
     assert same_tensors(tensors, lora_tensors(resumed))
     config = make_config(model, spec)
-    components = load_components(config, resolve_runtime(config))
+    components = load_components(config, resolve_runtime(config), detect_family(config))
     assert getattr(components.denoiser, "is_quantized", False)

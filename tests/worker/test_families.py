@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 
 from lorafleet.core.model import FailureClass
+from lorafleet.core.spec import SPEC_FIELD
 from lorafleet.worker.training import (
     Finished,
     Stopped,
@@ -50,8 +51,13 @@ def models(tiny_model_dir: Path, tiny_flux_dir: Path, tiny_flux2_dir: Path) -> d
 
 
 def family_spec(family: str, model: Path, **overrides: Any) -> Any:
-    values: dict[str, Any] = {"model_family": family, "base_model": str(model)}
-    return tiny_spec(**(values | overrides))
+    values: dict[str, Any] = {"model_family": family, "base_model": str(model)} | overrides
+    if values["model_family"] == "flux2":
+        # klein's text encoder stays frozen: its spec refuses tiny_spec's encoder rate.
+        values.setdefault(
+            "text_encoder_learning_rate", SPEC_FIELD["text_encoder_learning_rate"].default
+        )
+    return tiny_spec(**values)
 
 
 def run(
@@ -341,18 +347,53 @@ def test_a_vae_or_guidance_the_model_cannot_use_fails_as_the_jobs_input(
         assert str(refused.value).startswith(named), str(refused.value)
 
 
+@pytest.mark.parametrize(
+    ("family", "overrides", "named"),
+    [
+        ("flux", {"model_family": "flux2"}, "base_model:"),
+        # auto takes a local folder for sdxl, and snr_gamma is an sdxl field.
+        ("flux", {"model_family": "auto", "snr_gamma": 5.0}, "base_model:"),
+        ("flux2", {"guidance_scale": 3.5}, "guidance_scale:"),
+    ],
+)
+def test_a_warm_worker_refuses_what_a_cold_one_refuses(
+    family: str, overrides: dict[str, Any], named: str, models: dict[str, Path]
+) -> None:
+    """The resident model is keyed by base model, VAE and precision only: a job of the same key
+    but another family, or settings its modules cannot use, is refused on a worker that holds
+    the model with the cold worker's message, and leaves the resident model as it was."""
+    model = models[family]
+    resident = ResidentModel()
+    first, _ = run(model, family_spec(family, model, max_train_steps=1), resident=resident)
+    assert isinstance(first, Finished)
+    key = resident.key
+    spec = family_spec(family, model, max_train_steps=1, **overrides)
+    assert spec.resident_key == key  # the refused job would run warm
+    answers = []
+    for worker in (resident, None):  # warm, then cold
+        with pytest.raises(TrainingFailure) as refused:
+            run(model, spec, resident=worker)
+        assert refused.value.failure_class is FailureClass.INPUT
+        answers.append(str(refused.value))
+    warm, cold = answers
+    assert warm == cold and warm.startswith(named), answers
+    assert resident.key == key and resident.loads == 1
+    again, _ = run(model, family_spec(family, model, max_train_steps=1), resident=resident)
+    assert isinstance(again, Finished) and resident.loads == 1
+
+
 def test_flux2_prompts_are_encoded_as_its_pipeline_encodes_them(
     models: dict[str, Path],
 ) -> None:
     """The hidden layers and the template come from Flux2KleinPipeline (9, 18, 27 today;
     diffusers' klein script's default 10, 20, 30 is FLUX.2 [dev]'s)."""
-    from lorafleet.worker.training.base_model import diffusers, load_components
+    from lorafleet.worker.training.base_model import detect_family, diffusers, load_components
     from lorafleet.worker.training.config import resolve_runtime
 
     assert flux2.pipeline_default("text_encoder_out_layers") == (9, 18, 27)
     model = models["flux2"]
     config = make_config(model, family_spec("flux2", model))
-    components = load_components(config, resolve_runtime(config))
+    components = load_components(config, resolve_runtime(config), detect_family(config))
     family = components.family
     prompts = ["a photo of sks dog", "a dog in the snow"]
     (ours,) = family.encode(components, family.tokenize(components, prompts, config.spec))

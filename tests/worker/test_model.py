@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from lorafleet.core.model import FailureClass
-from lorafleet.worker.training.base_model import load_components
+from lorafleet.worker.training.base_model import check_model_ref, detect_family, load_components
 from lorafleet.worker.training.config import resolve_runtime
 from lorafleet.worker.training.failures import TrainingFailure
 from lorafleet.worker.training.lora import add_lora, lora_parameters
@@ -23,7 +23,7 @@ from tests.support.training import TrainFn, instance_images, make_config, tiny_s
 
 def test_components_load_frozen_with_sdpa(tiny_model_dir: Path) -> None:
     config = make_config(tiny_model_dir, tiny_spec(train_text_encoder=True))
-    components = load_components(config, resolve_runtime(config))
+    components = load_components(config, resolve_runtime(config), detect_family(config))
     assert type(components.noise_scheduler).__name__ == "DDPMScheduler"
     # The base model's own inference scheduler is kept for sampling.
     assert components.sampler_config["_class_name"] == "EulerDiscreteScheduler"
@@ -126,7 +126,7 @@ def test_a_pickled_model_is_refused_as_an_input_fault(
     torch.save(model.state_dict(), folder / name)
     config = make_config(pickled, tiny_spec())
     with pytest.raises(TrainingFailure) as refused:
-        load_components(config, resolve_runtime(config))
+        load_components(config, resolve_runtime(config), detect_family(config))
     assert refused.value.failure_class is FailureClass.INPUT
     assert "base_model" in str(refused.value) and "safetensors" in str(refused.value)
     assert component in str(refused.value)
@@ -154,7 +154,7 @@ def test_a_missing_model_path_is_an_input_fault_naming_it(
     if field == "base_model":
         config = dataclasses.replace(config, model_path=None)
     with pytest.raises(TrainingFailure) as refused:
-        load_components(config, resolve_runtime(config))
+        load_components(config, resolve_runtime(config), detect_family(config))
     assert refused.value.failure_class is FailureClass.INPUT
     assert field in str(refused.value) and ref in str(refused.value)
 
@@ -164,7 +164,6 @@ def test_a_path_that_is_not_a_model_answers_the_same_whatever_is_there(
 ) -> None:
     """A tenant cannot probe a worker's disk: a missing path, a file and a folder that is not a
     model all answer one message (only the path the tenant sent differs)."""
-    from lorafleet.worker.training.base_model import check_model_ref
 
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"x")
@@ -177,6 +176,27 @@ def test_a_path_that_is_not_a_model_answers_the_same_whatever_is_there(
     assert len(answers) == 1, answers
     check_model_ref("base_model", "stabilityai/stable-diffusion-xl-base-1.0")  # a hub id: fine
     check_model_ref("base_model", str(tiny_model_dir))  # a model folder: fine
+
+
+def test_a_pipeline_folder_named_as_a_vae_is_told_to_name_its_vae_subfolder(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A whole pipeline is a model, just not a lone VAE: the answer names its vae/ subfolder,
+    which then loads. A folder with neither stays 'not a model'."""
+    config = make_config(tiny_model_dir, tiny_spec(vae_model=str(tiny_model_dir)))
+    runtime = resolve_runtime(config)
+    with pytest.raises(TrainingFailure) as refused:
+        load_components(config, runtime, detect_family(config))
+    assert refused.value.failure_class is FailureClass.INPUT
+    assert str(refused.value) == (
+        f"vae_model: {str(tiny_model_dir)!r} is a pipeline folder, not a lone vae; name its"
+        f" vae/ subfolder ({str(tiny_model_dir / 'vae')!r})"
+    )
+    config = make_config(tiny_model_dir, tiny_spec(vae_model=str(tiny_model_dir / "vae")))
+    assert load_components(config, runtime, detect_family(config)).vae is not None
+    (tmp_path / "model_index.json").write_text("{}")  # a pipeline without a VAE
+    with pytest.raises(TrainingFailure, match="is not a model on this worker"):
+        check_model_ref("vae_model", str(tmp_path), component="vae")
 
 
 @pytest.mark.parametrize("shard", ["diffusion_pytorch_model.bin", "../elsewhere.safetensors"])
@@ -196,7 +216,7 @@ def test_a_shard_index_naming_a_pickle_is_refused_before_loading(
     monkeypatch.setattr(torch, "load", no_unpickling)
     config = make_config(crafted, tiny_spec(base_model=str(crafted)), model_path=None)
     with pytest.raises(TrainingFailure) as refused:
-        load_components(config, resolve_runtime(config))
+        load_components(config, resolve_runtime(config), detect_family(config))
     assert refused.value.failure_class is FailureClass.INPUT
     assert "safetensors only" in str(refused.value)
     assert shard in str(refused.value)

@@ -16,7 +16,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 
 from lorafleet.core.spec import JobSpec
 from lorafleet.worker.training import Finished, StopReason, Trainer, TrainingHooks
-from lorafleet.worker.training.base_model import load_components
+from lorafleet.worker.training.base_model import detect_family, load_components
 from lorafleet.worker.training.config import resolve_runtime
 from lorafleet.worker.training.families import Components
 from lorafleet.worker.training.lora import add_lora, park_lora, parked_shapes
@@ -206,7 +206,7 @@ def test_parked_adapters_get_what_a_fresh_injection_draws(
     runtime = resolve_runtime(config)
 
     def loaded() -> Components:
-        components = load_components(config, runtime)
+        components = load_components(config, runtime, detect_family(config))
         for module in (components.denoiser, *components.text_encoders.values()):
             module.to(dtype)
         return components
@@ -251,7 +251,7 @@ def test_parked_shapes_name_what_the_next_run_takes_warm(tiny_model_dir: Path) -
     or put back: the UNet's parked shapes, attached or kept aside, each with text-encoder
     training too where both encoders hold that shape."""
     config = make_config(tiny_model_dir, tiny_spec())
-    components = load_components(config, resolve_runtime(config))
+    components = load_components(config, resolve_runtime(config), detect_family(config))
     assert parked_shapes(components) == []
     with torch.random.fork_rng(devices=[]):
         add_lora(components, rank=4, alpha=4.0, train_text_encoder=True)

@@ -5,6 +5,8 @@ id downloaded into `cache_dir`), from safetensors only. The family is read from 
 `model_index.json` (`_class_name`: its pipeline), never guessed from its name, and checked
 against the family the job was sized and keyed as (docs/DESIGN.md, "Model families"); the
 family module (families/) then loads its components, and they are frozen on the run's device.
+Every run, warm or cold, goes through `ResidentModel.components_for`, which makes those checks
+of the job (`detect_family`, `Family.check`) whether or not it loads.
 """
 
 from __future__ import annotations
@@ -63,14 +65,18 @@ def weights(load: Callable[[], T], ref: str, component: str, field: str = "base_
 _HUB_ID = re.compile(r"(?:[\w.\-]{1,96}/)?[\w.\-]{1,96}")
 
 
-def check_model_ref(field: str, ref: str, *, marker: str = "model_index.json") -> None:
+def check_model_ref(field: str, ref: str, *, component: str | None = None) -> None:
     """A model reference from the job's spec is a model folder on this worker or a hub id.
 
-    Anything that looks like a path and is not a model folder (`marker` inside it: a diffusers
-    pipeline's model_index.json, or a lone VAE's config.json) is the job's fault, with one
-    message whether the path is missing, a file, or some other folder: a tenant must not learn
-    which folders exist on a stranger's worker by probing. Without the check a bad path reached
-    the hub as a malformed repo id and failed as an internal error three times."""
+    The folder is a diffusers pipeline (its model_index.json inside), or with `component` (a
+    pipeline's subfolder name, "vae") a lone component (its config.json). Anything that looks
+    like a path and is not such a folder is the job's fault, with one message whether the path
+    is missing, a file, or some other folder: a tenant must not learn which folders exist on a
+    stranger's worker by probing. Without the check a bad path reached the hub as a malformed
+    repo id and failed as an internal error three times. A pipeline folder named for a component
+    is told apart, with the subfolder to name: it is a model the tenant could train as
+    base_model anyway, so saying so tells nothing more."""
+    marker = "model_index.json" if component is None else "config.json"
     path_like = (
         ref.startswith(("/", "./", "../", "~", "."))
         or "\\" in ref
@@ -81,12 +87,21 @@ def check_model_ref(field: str, ref: str, *, marker: str = "model_index.json") -
     if not path_like and not path.exists():
         return  # a hub id
     if not (path / marker).is_file():
+        if (
+            component is not None
+            and (path / "model_index.json").is_file()
+            and (path / component / marker).is_file()
+        ):
+            raise input_fault(
+                f"{field}: {ref!r} is a pipeline folder, not a lone {component}; name its"
+                f" {component}/ subfolder ({str(path / component)!r})"
+            )
         raise input_fault(
             f"{field}: {ref!r} is not a model on this worker (a local model is a diffusers"
             " folder on the worker's disk; a hub model is named 'owner/name')"
         )
     # Every component folder of a pipeline (its weights and their shard index), whatever family.
-    folders = [path] if marker != "model_index.json" else [p for p in path.iterdir() if p.is_dir()]
+    folders = [path] if component is not None else [p for p in path.iterdir() if p.is_dir()]
     for folder in folders:
         _check_shard_index(field, ref, folder)
 
@@ -116,7 +131,9 @@ def _check_shard_index(field: str, ref: str, folder: Path) -> None:
 
 def detect_family(config: TrainingConfig) -> Family:
     """The family of the model the run loads, from its model_index.json; an input fault naming
-    base_model when it is not a pipeline lorafleet trains, or not the family the job names."""
+    base_model when it is not a pipeline lorafleet trains, or not the family the job names.
+    Cheap (one small JSON file, downloaded once for a hub model): made for every run, warm or
+    cold."""
     from lorafleet.worker.training.families import FAMILY_OF
 
     ref = config.model_ref
@@ -151,15 +168,16 @@ def detect_family(config: TrainingConfig) -> Family:
     return FAMILY_OF[family_name]
 
 
-def load_components(config: TrainingConfig, runtime: Runtime) -> Components:
-    """Loads every component of the model's family, frozen, on the run's device and in its
-    dtypes (a quantized denoiser in its quantization)."""
+def load_components(config: TrainingConfig, runtime: Runtime, family: Family) -> Components:
+    """Loads every component of the model's `family` (`detect_family`'s), frozen, on the run's
+    device and in its dtypes (a quantized denoiser in its quantization). What only the job
+    decides (`Family.check`) is checked by the caller, on every run: not here, where a warm run
+    never comes."""
     # The worker logs structured JSON; progress bars on stderr are noise there.
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
     if config.vae_path is None and config.spec.vae_model:
-        check_model_ref("vae_model", config.spec.vae_model, marker="config.json")
-    family = detect_family(config)
+        check_model_ref("vae_model", config.spec.vae_model, component="vae")
     components = family.load(config, runtime)
     for module in (components.denoiser, components.vae, *components.text_encoders.values()):
         module.requires_grad_(False)
@@ -168,7 +186,6 @@ def load_components(config: TrainingConfig, runtime: Runtime) -> Components:
         # Dtypes were set while loading (casting afterwards skips modules a model keeps fp32).
         module.to(runtime.device)
     components.vae.eval()
-    family.check(config, components)
     return components
 
 

@@ -18,7 +18,10 @@ precision (`JobSpec.resident_key`), and the compiled step of each shape it ran c
 * each run gets its own noise scheduler, built from the base model's scheduler config;
 * optimizer, generators, cached embeddings and latents, images: the run's own objects.
 
-So a job trains the same bits on a worker that trained other jobs before as on a fresh one.
+So a job trains the same bits on a worker that trained other jobs before as on a fresh one, and
+is refused the same: the key says nothing of the job's family or settings, so every run, warm or
+cold, checks its family against the model's model_index.json (`detect_family`) and its settings
+against the resident modules (`Family.check`: guidance, resolution, VAE), none reloaded.
 A run that cannot put the modules back as they were drops the whole set (the next run loads it
 again), and a run of another base model or precision drops it before loading its own: a worker
 never holds two base models, whatever its memory.
@@ -36,7 +39,7 @@ import diffusers as _diffusers
 import torch
 
 from lorafleet.core.spec import adapter_shape_key
-from lorafleet.worker.training.base_model import load_components
+from lorafleet.worker.training.base_model import detect_family, load_components
 from lorafleet.worker.training.config import Runtime, TrainingConfig
 from lorafleet.worker.training.families.base import Components
 from lorafleet.worker.training.lora import park_lora, parked_shapes
@@ -82,13 +85,20 @@ class ResidentModel:
 
     def components_for(self, config: TrainingConfig, runtime: Runtime) -> Components:
         """The frozen components for `config`'s base model and precision, loaded now unless
-        they are resident. The noise scheduler is the run's own (a fresh one each call)."""
+        they are resident, once the job's family and settings are checked against them (input
+        faults; a refused job leaves the resident set as it was). The noise scheduler is the
+        run's own (a fresh one each call)."""
+        # Before loading: a job of the wrong family is refused at once, and drops nothing.
+        family = detect_family(config)
         key = config.spec.resident_key
         if self._held is None or self._held.key != key:
             self.release()
-            self._held = _Held(key=key, components=load_components(config, runtime), compiled={})
+            self._held = _Held(
+                key=key, components=load_components(config, runtime, family), compiled={}
+            )
             self.loads += 1
         components = self._held.components
+        family.check(config, components)
         # A family whose frozen encoders wait in host memory between prompt encodings (base.py)
         # gets them back on the device for this run's encoding (or sampling).
         for encoder in components.text_encoders.values():
