@@ -123,3 +123,47 @@ async def test_a_job_failed_at_max_node_faults_is_not_an_accepted_input_fault(
     assert taken is not None and taken.lease_id is not None
     await strict.drain_lease(taken.lease_id, taken.epoch, "spot")
     assert await strict.claim_job(last, 10**7, TTL_S, secret_sha256=SECRET) is None
+
+
+async def _connected(ledger: Ledger, machine_id: str) -> None:
+    """The machine holds a stream's session, qualified, with plenty of memory."""
+    async with ledger._conn() as conn:
+        await conn.execute(
+            "INSERT INTO machines (machine_id, session_token_sha256, qualified, vram_mb)"
+            " VALUES ($1, $2, true, $3)",
+            machine_id,
+            SECRET,
+            10**7,
+        )
+
+
+async def test_a_job_waiting_on_quarantined_machines_says_so(strict: Ledger) -> None:
+    """While every connected machine that could run a queued job is quarantined, its waiting
+    reason says so (before, it said nothing: `get` showed no reason and `nodes` an idle
+    qualified machine); once another machine is connected, it no longer does."""
+    await strict.insert_jobs("alice", [new_job(priority=1) for _ in range(2)])
+    untouched = (await strict.insert_jobs("alice", [new_job()]))[0]
+    await _connected(strict, "only")
+    first = await _fail_input(strict, "only")
+    assert first is not None
+    job = await strict.get_job(untouched.job_id, "alice")
+    assert job is not None and job.state is JobState.QUEUED and job.waiting_reason is None
+    assert await _fail_input(strict, "only") is not None
+    job = await strict.get_job(untouched.job_id, "alice")
+    assert job is not None and job.waiting_reason is not None
+    assert "every connected machine that could run it is quarantined" in job.waiting_reason
+    (listed,) = [
+        j
+        for j in await strict.list_jobs(
+            "alice", states=[JobState.QUEUED], labels={}, after=None, limit=10
+        )
+        if j.job_id == untouched.job_id
+    ]
+    assert listed.waiting_reason == job.waiting_reason
+    # The machine is banned from the job it failed: no connected machine could run that one.
+    failed = await strict.get_job(first.job_id, "alice")
+    assert failed is not None and failed.waiting_reason is not None
+    assert "quarantined" not in failed.waiting_reason
+    await _connected(strict, "fresh")
+    job = await strict.get_job(untouched.job_id, "alice")
+    assert job is not None and job.waiting_reason is None

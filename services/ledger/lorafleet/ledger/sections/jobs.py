@@ -72,7 +72,10 @@ class JobQueries(LedgerBase):
         return filled
 
     async def get_job(self, job_id: str, owner: str) -> Job | None:
-        row = await self._fetchrow("get_job", uuid.UUID(job_id), owner)
+        q = self.quarantine
+        row = await self._fetchrow(
+            "get_job", uuid.UUID(job_id), owner, q.threshold, q.window_s, q.empty_lease_limit
+        )
         return None if row is None else job_from_row(row)
 
     async def get_job_any_owner(self, job_id: str) -> Job | None:
@@ -88,6 +91,7 @@ class JobQueries(LedgerBase):
         after: tuple[datetime, str] | None,
         limit: int,
     ) -> list[Job]:
+        q = self.quarantine
         rows = await self._fetch(
             "list_jobs",
             owner,
@@ -96,6 +100,9 @@ class JobQueries(LedgerBase):
             after[0] if after else None,
             uuid.UUID(after[1]) if after else None,
             limit,
+            q.threshold,
+            q.window_s,
+            q.empty_lease_limit,
         )
         return [job_from_row(r) for r in rows]
 

@@ -164,8 +164,10 @@ SELECT * FROM jobs WHERE owner = $1 AND idempotency_key = ANY($2::text[]);
 -- name: get_job
 SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds,
     -- Why a QUEUED job waits (Job.waiting_reason): what ended its newest attempt, unless a
-    -- newer grant is running it. Derived from the events, so nothing has to clear it.
-    CASE WHEN j.state = 'QUEUED' THEN (
+    -- newer grant is running it, and whether every connected machine that could run it is
+    -- quarantined ($3 node faults, $4 window s, $5 empty leases: claim_job's $6, $7, $8).
+    -- Derived when read, so nothing has to clear it.
+    CASE WHEN j.state = 'QUEUED' THEN nullif(concat_ws('; ', (
         SELECT CASE e.kind
             WHEN 'ATTEMPT_FAILED' THEN
                 'attempt ' || e.epoch || ' failed (' || lower(coalesce(e.failure_class, 'node'))
@@ -184,7 +186,12 @@ SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds,
         WHERE e.job_id = j.job_id
           AND e.kind IN ('LEASE_GRANTED', 'ATTEMPT_FAILED', 'DRAINED', 'LEASE_EXPIRED')
         ORDER BY e.event_id DESC LIMIT 1
-    ) END AS waiting_reason
+    ),
+    CASE WHEN lorafleet_waits_on_quarantine(j.job_id, j.min_vram_mb, $3::int, $4::float8, $5::int)
+         THEN 'every connected machine that could run it is quarantined (too many node'
+              || ' faults or leases ended without work within the quarantine window);'
+              || ' waiting for the window to pass or for another machine' END
+    ), '') END AS waiting_reason
 FROM jobs j WHERE j.job_id = $1 AND j.owner = $2;
 
 -- name: get_job_any_owner
@@ -193,10 +200,11 @@ SELECT * FROM jobs WHERE job_id = $1;
 -- name: list_jobs
 -- $1 owner, $2 states (empty: all), $3 labels the job must carry ('{}' matches every job),
 -- $4 and $5 the (created_at, job_id) of the last job of the previous page (NULL: the first
--- page: keyset pagination, newest first), $6 page size.
+-- page: keyset pagination, newest first), $6 page size; $7, $8 and $9 the quarantine (as
+-- get_job's $3, $4, $5).
 SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds,
     -- As get_job's.
-    CASE WHEN j.state = 'QUEUED' THEN (
+    CASE WHEN j.state = 'QUEUED' THEN nullif(concat_ws('; ', (
         SELECT CASE e.kind
             WHEN 'ATTEMPT_FAILED' THEN
                 'attempt ' || e.epoch || ' failed (' || lower(coalesce(e.failure_class, 'node'))
@@ -215,7 +223,12 @@ SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds,
         WHERE e.job_id = j.job_id
           AND e.kind IN ('LEASE_GRANTED', 'ATTEMPT_FAILED', 'DRAINED', 'LEASE_EXPIRED')
         ORDER BY e.event_id DESC LIMIT 1
-    ) END AS waiting_reason
+    ),
+    CASE WHEN lorafleet_waits_on_quarantine(j.job_id, j.min_vram_mb, $7::int, $8::float8, $9::int)
+         THEN 'every connected machine that could run it is quarantined (too many node'
+              || ' faults or leases ended without work within the quarantine window);'
+              || ' waiting for the window to pass or for another machine' END
+    ), '') END AS waiting_reason
 FROM jobs j
 WHERE owner = $1
   AND (cardinality($2::text[]) = 0 OR state = ANY($2::text[]))
@@ -294,13 +307,10 @@ WITH granted_keys AS (
       -- Of any kind: a live sample task counts too.
       AND NOT EXISTS (SELECT 1 FROM sample_tasks r WHERE r.machine_id = $1
                       AND r.state = 'RUNNING' AND r.lease_expires_at > now())
-      -- Quarantine: a machine with $6 node faults in the last $7 s gets nothing until the
-      -- window passes (or the scaler replaces it: a new machine id starts clean), so a bad
-      -- node costs at most $6 failed attempts, not one per queued job.
-      AND (SELECT count(*) FROM leases q
-           WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
-             AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
-      AND lorafleet_empty_leases($1, $7::float8) < $8::int
+      -- Quarantine: a machine with $6 node faults (or $8 empty leases) in the last $7 s gets
+      -- nothing until the window passes (or the scaler replaces it: a new machine id starts
+      -- clean), so a bad node costs at most $6 failed attempts, not one per queued job.
+      AND NOT lorafleet_quarantined($1, $6::int, $7::float8, $8::int)
     ORDER BY (j.epoch > 0) DESC, j.priority DESC, j.created_at, j.job_id
     LIMIT 64
 ), candidate AS (
@@ -1270,10 +1280,7 @@ WITH candidate AS (
                       AND r.lease_expires_at > now())
       AND NOT EXISTS (SELECT 1 FROM sample_tasks r WHERE r.machine_id = $1
                       AND r.state = 'RUNNING' AND r.lease_expires_at > now())
-      AND (SELECT count(*) FROM leases q
-           WHERE q.machine_id = $1 AND q.end_reason = 'failed: node'
-             AND q.ended_at > now() - make_interval(secs => $7::float8)) < $6::int
-      AND lorafleet_empty_leases($1, $7::float8) < $8::int
+      AND NOT lorafleet_quarantined($1, $6::int, $7::float8, $8::int)
     ORDER BY (s.epoch > 0) DESC, j.priority DESC, s.created_at, s.task_id
     LIMIT 1
     FOR UPDATE OF s SKIP LOCKED
