@@ -16,7 +16,6 @@ import safetensors.torch
 import torch
 
 from lorafleet.core.model import FailureClass
-from lorafleet.core.spec import SPEC_FIELD
 from lorafleet.worker.training import (
     Finished,
     Stopped,
@@ -51,13 +50,7 @@ def models(tiny_model_dir: Path, tiny_flux_dir: Path, tiny_flux2_dir: Path) -> d
 
 
 def family_spec(family: str, model: Path, **overrides: Any) -> Any:
-    values: dict[str, Any] = {"model_family": family, "base_model": str(model)} | overrides
-    if values["model_family"] == "flux2":
-        # klein's text encoder stays frozen: its spec refuses tiny_spec's encoder rate.
-        values.setdefault(
-            "text_encoder_learning_rate", SPEC_FIELD["text_encoder_learning_rate"].default
-        )
-    return tiny_spec(**values)
+    return tiny_spec(**{"model_family": family, "base_model": str(model)} | overrides)
 
 
 def run(
