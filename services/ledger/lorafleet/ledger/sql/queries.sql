@@ -162,6 +162,7 @@ WHERE j.job_id = k.job_id
 SELECT * FROM jobs WHERE owner = $1 AND idempotency_key = ANY($2::text[]);
 
 -- name: get_job
+-- $1 job, $2 owner; $3, $4, $5 the quarantine's bounds (below).
 SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds,
     -- Why a QUEUED job waits (Job.waiting_reason): what ended its newest attempt, unless a
     -- newer grant is running it, and whether every connected machine that could run it is
