@@ -167,7 +167,8 @@ def _check_family(spec: JobSpec) -> None:
             examples = ", ".join(h for v in VARIANTS if v.family == family for h in v.hub_ids)
             raise InvalidArgument(
                 "base_model",
-                f"model_family {family} needs a base model of that family, e.g. {examples}",
+                f"model_family {family} needs a base model of that family (a hub id, or the"
+                f" absolute path of a diffusers folder on the workers), e.g. {examples}",
             )
         raise InvalidArgument(
             "base_model",

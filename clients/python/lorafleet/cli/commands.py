@@ -40,7 +40,6 @@ from lorafleet.cli.report import format_report, report_command, report_to_json
 from lorafleet.cli.samples import SAMPLES_HELP, add_samples_arguments, samples_command
 from lorafleet.cli.spec_flags import (
     add_spec_flags,
-    check_family_has_base_model,
     load_document,
     load_spec_file,
     parse_labels,
@@ -104,7 +103,6 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
             zip_file = document.pop("images_zip", None)
             url = document.pop("images_url", None)
             source = image_source(folder, zip_file, url, where=f"batch[{i}].")
-            check_family_has_base_model(document, where=f"batch[{i}].")
             if note := family_from_local_model(document, where=f"batch[{i}]."):
                 print(f"batch[{i}]: {note}", file=sys.stderr)
             if source:
@@ -120,7 +118,6 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
     else:
         base = load_spec_file(Path(args.spec)) if args.spec else {}
         spec = spec_from_args(args, base)
-        check_family_has_base_model(spec)
         if note := family_from_local_model(spec):
             print(note, file=sys.stderr)
         source = image_source(args.images, args.images_zip, args.images_url)

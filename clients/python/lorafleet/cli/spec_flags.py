@@ -21,7 +21,6 @@ from typing import Any
 import yaml
 
 from lorafleet.core.errors import InvalidArgument
-from lorafleet.core.families import FAMILIES, VARIANTS
 from lorafleet.core.spec import SPEC_FIELD, SPEC_FIELDS, SpecField, spec_value
 
 
@@ -188,23 +187,3 @@ def named_family(spec: Mapping[str, Any], *, where: str = "") -> str:
         return str(spec_value("model_family", value))
     except InvalidArgument as exc:
         raise InvalidArgument(f"{where}{exc.field}", exc.reason) from None
-
-
-def check_family_has_base_model(spec: Mapping[str, Any], *, where: str = "") -> None:
-    """A spec naming a family without a base model would train the default base model, an SDXL
-    one, and the spec's checks blame that model, which the user never named: say instead that
-    the family needs a base model of its own, with its public variants as examples."""
-    if spec.get("base_model"):
-        return
-    family = named_family(spec, where=where)
-    default_base = str(SPEC_FIELD["base_model"].default)
-    if family not in FAMILIES or any(
-        default_base in v.hub_ids for v in VARIANTS if v.family == family
-    ):
-        return
-    examples = ", ".join(h for v in VARIANTS if v.family == family for h in v.hub_ids)
-    raise InvalidArgument(
-        f"{where}base_model",
-        f"model_family {family} needs a base model of that family (--base-model: a hub id or"
-        f" the absolute path of a diffusers folder), e.g. {examples}",
-    )
