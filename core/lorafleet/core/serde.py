@@ -306,7 +306,9 @@ def job_from_proto(msg: pb.Job) -> Job:
         progress=Progress(
             step=p.step,
             max_steps=p.max_steps,
-            loss=p.loss if p.updated_at.seconds else None,
+            # The wire has no unset loss: before a first step (a job leased, then failed or
+            # canceled) its 0.0 is no loss at all, for the SDK and the CLI alike.
+            loss=p.loss if p.updated_at.seconds and p.step else None,
             learning_rate=p.learning_rate if p.updated_at.seconds else None,
             seconds_per_step=p.seconds_per_step if p.updated_at.seconds else None,
             machine_id=p.machine_id or None,

@@ -33,7 +33,6 @@ from lorafleet.cli.render import (
     job_json,
     load_hint,
     print_json,
-    reported_loss,
     watch_columns,
 )
 from lorafleet.cli.report import format_report, report_command, report_to_json
@@ -215,7 +214,7 @@ async def watch(client: AsyncClient, job_id: str, *, as_json: bool) -> int:
             said_waiting = job.waiting_reason
             p = job.progress
             state = job.state.value.lower()
-            loss = f"{loss_value:.4f}" if (loss_value := reported_loss(p)) is not None else "-"
+            loss = f"{p.loss:.4f}" if p.loss is not None else "-"
             sps = f"{p.seconds_per_step:.2f}" if p.seconds_per_step else "-"
             eta = format_eta(job)
             if task is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.core.families import PIPELINES
-from lorafleet.core.model import Estimate, Job, JobEvent, JobState, Progress
+from lorafleet.core.model import Estimate, Job, JobEvent, JobState
 from lorafleet.core.spec import JobSpec
 
 
@@ -28,13 +28,6 @@ def format_age(moment: datetime | None) -> str:
     return f"{seconds:.0f}s ago"
 
 
-def reported_loss(progress: Progress) -> float | None:
-    """The loss a worker reported, None before its first step: the wire's progress carries no
-    "unset" for a loss, so a job that never trained (leased, then failed or canceled) reads
-    0.0, which is no loss at all."""
-    return progress.loss if progress.step else None
-
-
 def job_json(job: Job) -> dict[str, Any]:
     p = job.progress
     return {
@@ -46,7 +39,7 @@ def job_json(job: Job) -> dict[str, Any]:
         "max_node_faults": job.max_node_faults,
         "step": p.step,
         "max_steps": p.max_steps,
-        "loss": reported_loss(p),
+        "loss": p.loss,
         "seconds_per_step": p.seconds_per_step,
         "eta_seconds": p.eta_seconds,
         "machine_id": job.machine_id,
@@ -122,7 +115,7 @@ def describe_job(job: Job) -> str:
         # one SaladCloud machine reported waits for a second machine's word, with no error).
         *([f"waiting    {job.waiting_reason}"] if job.waiting_reason else []),
         f"progress   step {p.step}/{p.max_steps}"
-        + (f", loss {loss:.4f}" if (loss := reported_loss(p)) is not None else "")
+        + (f", loss {p.loss:.4f}" if p.loss is not None else "")
         + (f", {p.seconds_per_step:.2f} s/step" if p.seconds_per_step else "")
         + (f", ETA {p.eta_seconds:.0f} s" if p.eta_seconds and not job.state.terminal else ""),
         f"attempts   {job.epoch} (failures {job.failures} of {job.spec.max_failures};"
