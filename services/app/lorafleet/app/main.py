@@ -38,7 +38,9 @@ SERVICE_COMMANDS = ("scheduler", "keys", "scaler", "nodes", "scaler-log", "up", 
 def build_parser(*, with_services: bool) -> argparse.ArgumentParser:
     # Its subparsers are of its class (argparse's default): one-line errors for all of them.
     parser: argparse.ArgumentParser = OneLineErrorParser(
-        prog="lorafleet", description="SDXL DreamBooth-LoRA fine-tuning on interruptible GPUs."
+        prog="lorafleet",
+        description="DreamBooth-LoRA fine-tuning (SDXL, FLUX.1, FLUX.2 [klein]) on"
+        " interruptible GPUs.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     add_job_commands(sub)
