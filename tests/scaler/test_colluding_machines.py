@@ -49,13 +49,26 @@ async def test_three_machines_failing_every_attempt_fail_no_job(world: World, sc
     scaler = world.scaler(policy)
     await scaler.acquire()
     bad: set[str] = set()
-    sim = world.sim(lambda m: script if m in bad else finish)
+    go = asyncio.Event()
+
+    async def once_a_stranger(sim: FleetSim, w: SimWorker, lease: Lease) -> None:
+        await go.wait()
+        await script(sim, w, lease)
+
+    sim = world.sim(lambda m: once_a_stranger if m in bad else finish)
     jobs = await world.submit(3)
     await scaler.tick()
     world.advance(COLD_START_S)
     bad.update(i.machine_id for i in world.double.instances.values())
     assert len(bad) == 3
     await sim.sync()
+    # The scripted workers prove their ids with the local supervisor's token: an operator-run
+    # machine, whose internal errors are believed. These are a stranger's SaladCloud machines.
+    await world.watch.conn.execute(
+        "UPDATE machines SET identity_provider = 'salad' WHERE machine_id = ANY($1::text[])",
+        sorted(bad),
+    )
+    go.set()
     reason = "failed: node" if script is fail_node else "failed: internal"
     await world.watch.until(
         lambda: _eq(

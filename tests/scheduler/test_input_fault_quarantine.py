@@ -1,10 +1,12 @@
-"""Input faults and the empty-lease quarantine, against a real Postgres.
+"""Believed failures and the empty-lease quarantine, against a real Postgres.
 
 A lease that ended in an input fault the fleet accepted as the job's (the job failed as INPUT:
 an operator-run machine's word, or two machines in good standing) is the user's fault and no
 empty lease toward its machine's quarantine: ten bad specs on `lorafleet up` quarantined its
-only worker for an hour. An input fault the fleet did not accept still counts: a hostile
-machine must not get around the quarantine by calling every input bad.
+only worker for an hour. Likewise an INTERNAL error the fleet counted against the job (an
+operator-run machine's, or one in good standing's): ten lorafleet bugs must not quarantine it.
+A fault the fleet did not believe still counts: a hostile machine must not get around the
+quarantine by calling every input bad, or every job a bug.
 """
 
 from __future__ import annotations
@@ -29,15 +31,17 @@ async def _operator_run(ledger: Ledger, machine_id: str) -> None:
         )
 
 
-async def _fail_input(ledger: Ledger, machine_id: str) -> Job | None:
-    """Claims a job on the machine and reports an input fault on it; the job after, or None
-    when the machine is granted nothing."""
+async def _fail_input(
+    ledger: Ledger, machine_id: str, failure: FailureClass = FailureClass.INPUT
+) -> Job | None:
+    """Claims a job on the machine and reports a failure of the class on it (an input fault
+    unless said); the job after, or None when the machine is granted nothing."""
     granted = await ledger.claim_job(machine_id, 10**7, TTL_S, secret_sha256=SECRET)
     if granted is None:
         return None
     assert granted.lease_id is not None
     after = await ledger.fail_attempt(
-        granted.lease_id, granted.epoch, FailureClass.INPUT, "base_model: another family"
+        granted.lease_id, granted.epoch, failure, f"{failure.name.lower()}: it failed"
     )
     assert after is not None
     return after
@@ -65,6 +69,49 @@ async def test_input_faults_an_operator_run_machine_reported_do_not_quarantine_i
         assert after is not None and after.state is JobState.FAILED
         assert after.failure_class is FailureClass.INPUT
     assert await ledger.claim_job("vm-local-0", 10**7, TTL_S, secret_sha256=SECRET) is not None
+
+
+async def test_internal_errors_an_operator_run_machine_reported_do_not_quarantine_it(
+    ledger: Ledger,
+) -> None:
+    """`lorafleet up`'s one worker hits ten lorafleet bugs within the hour: each counts against
+    its job (a failure of the job's budget, no node fault), and the worker is still granted
+    the next job."""
+    await _operator_run(ledger, "vm-local-0")
+    await ledger.insert_jobs("alice", [new_job() for _ in range(11)])
+    for _ in range(10):
+        after = await _fail_input(ledger, "vm-local-0", FailureClass.INTERNAL)
+        assert after is not None and after.state is JobState.QUEUED
+        assert (after.failures, after.node_faults) == (1, 0)
+    assert await ledger.claim_job("vm-local-0", 10**7, TTL_S, secret_sha256=SECRET) is not None
+
+
+async def test_internal_errors_the_fleet_did_not_believe_still_quarantine(strict: Ledger) -> None:
+    """A fresh machine's INTERNAL errors are node faults on the jobs: its leases ended empty,
+    and past the limit it is granted nothing more."""
+    await strict.insert_jobs("alice", [new_job() for _ in range(6)])
+    for _ in range(2):
+        after = await _fail_input(strict, "fresh", FailureClass.INTERNAL)
+        assert after is not None and (after.failures, after.node_faults) == (0, 1)
+    assert await _fail_input(strict, "fresh", FailureClass.INTERNAL) is None
+
+
+async def test_internal_errors_are_believed_only_while_a_machine_keeps_its_standing(
+    strict: Ledger, database_url: str
+) -> None:
+    """A machine in good standing's INTERNAL error counts in its job's failures and leaves no
+    empty lease; once half of its last attempts failed it has lost its standing, its next
+    claims are node faults and empty leases, and it is quarantined at the limit: saying
+    INTERNAL about every job buys a machine a few leases at most."""
+    await strict.insert_jobs("alice", [new_job() for _ in range(5)])
+    await in_good_standing(database_url, "steady")  # one success
+    for _ in range(2):  # one success and at most one failure before each: believed
+        after = await _fail_input(strict, "steady", FailureClass.INTERNAL)
+        assert after is not None and (after.failures, after.node_faults) == (1, 0)
+    for _ in range(2):
+        after = await _fail_input(strict, "steady", FailureClass.INTERNAL)
+        assert after is not None and (after.failures, after.node_faults) == (0, 1)
+    assert await strict.claim_job("steady", 10**7, TTL_S, secret_sha256=SECRET) is None
 
 
 async def test_input_faults_the_fleet_did_not_accept_still_quarantine(strict: Ledger) -> None:
@@ -125,15 +172,19 @@ async def test_a_job_failed_at_max_node_faults_is_not_an_accepted_input_fault(
     assert await strict.claim_job(last, 10**7, TTL_S, secret_sha256=SECRET) is None
 
 
-async def _connected(ledger: Ledger, machine_id: str) -> None:
-    """The machine holds a stream's session, qualified, with plenty of memory."""
+async def _connected(
+    ledger: Ledger, machine_id: str, families: tuple[str, ...] = ("sdxl",)
+) -> None:
+    """The machine holds a stream's session, qualified, with plenty of memory, serving the
+    families."""
     async with ledger._conn() as conn:
         await conn.execute(
-            "INSERT INTO machines (machine_id, session_token_sha256, qualified, vram_mb)"
-            " VALUES ($1, $2, true, $3)",
+            "INSERT INTO machines (machine_id, session_token_sha256, qualified, vram_mb, families)"
+            " VALUES ($1, $2, true, $3, $4)",
             machine_id,
             SECRET,
             10**7,
+            list(families),
         )
 
 
@@ -164,6 +215,11 @@ async def test_a_job_waiting_on_quarantined_machines_says_so(strict: Ledger) -> 
     failed = await strict.get_job(first.job_id, "alice")
     assert failed is not None and failed.waiting_reason is not None
     assert "quarantined" not in failed.waiting_reason
+    # A machine of another family could not run it: the job still waits on the quarantine.
+    await _connected(strict, "flux-only", families=("flux", "flux2"))
+    job = await strict.get_job(untouched.job_id, "alice")
+    assert job is not None and job.waiting_reason is not None
+    assert "quarantined" in job.waiting_reason
     await _connected(strict, "fresh")
     job = await strict.get_job(untouched.job_id, "alice")
     assert job is not None and job.waiting_reason is None

@@ -22,6 +22,7 @@ class MachineQueries(LedgerBase):
                 machine.qualified,
                 qualification.to_json(),
                 machine.version,
+                list(machine.families),
             )
 
     async def touch_machine(self, machine_id: str, session_sha256: bytes | None) -> None:

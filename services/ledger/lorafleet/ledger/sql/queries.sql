@@ -543,12 +543,13 @@ SELECT * FROM requeued;
 -- Every class bans the machine: a job is never leased again to a machine it failed on, so one
 -- machine can spend at most one attempt of a job. A job's failure budget is the job's:
 -- `failures` (against max_failures) counts only what the job can be blamed for, INTERNAL
--- errors from distinct machines in good standing for this job (lorafleet_good_standing:
+-- errors from distinct machines the operator runs (lorafleet_operator_run: provider-verified by
+-- a provider in $5) or in good standing for this job (lorafleet_good_standing:
 -- provider-verified, a verified result of its own $7 seconds before the job was submitted and
 -- no node fault since, most of its last attempts succeeded: a group of fresh machines cannot
 -- earn it quickly), recounted at every failure, so that attempts on a machine gone bad since
 -- count for nothing. INPUT counts none. It fails the job at once when the machine is one of
--- the operator's own (provider-verified by a provider in $5): waiting for a second machine
+-- the operator's own: waiting for a second machine
 -- there only re-queues a job that cannot succeed and makes the scaler fetch a node for it.
 -- From any other machine it fails the job only when this machine and another that reported an
 -- input fault on it are both in good standing for the job: those are strangers' machines, and
@@ -556,7 +557,8 @@ SELECT * FROM requeued;
 -- calling its inputs bad (docs/THREAT_MODEL.md). Every other attempt (NODE, INTERNAL from a
 -- machine not in good standing, an unconfirmed INPUT) counts in `node_faults` and fails the
 -- job only at max_node_faults: a few broken or hostile machines cannot fail a job an honest
--- node runs.
+-- node runs. A failure the fleet believed (INTERNAL counted in `failures`, a confirmed INPUT)
+-- marks the lease `fault_believed`: not an empty lease toward the machine's quarantine.
 -- An INTERNAL error on a node smaller than the fleet's largest class ($6 MiB,
 -- fleet_max_vram_mb; 0: none) is taken for what the worker classes as INTERNAL, an
 -- out-of-memory: the scheduler's mistake (the job's need was underestimated), not the node's
@@ -582,7 +584,8 @@ WITH target AS (
 ), judged AS (
     SELECT t.*,
            $3 = 'INTERNAL' AND NOT t.outgrown
-               AND lorafleet_good_standing(t.machine_id, t.submitted_at, $7) AS blamed,
+               AND (lorafleet_operator_run(t.machine_id, $5::text[])
+                    OR lorafleet_good_standing(t.machine_id, t.submitted_at, $7)) AS blamed,
            $3 = 'INPUT' AND ((
                    lorafleet_good_standing(t.machine_id, t.submitted_at, $7)
                    AND EXISTS (
@@ -590,14 +593,12 @@ WITH target AS (
                        WHERE e.job_id = t.job_id AND e.kind = 'ATTEMPT_FAILED'
                          AND e.failure_class = 'INPUT' AND e.machine_id <> t.machine_id
                          AND lorafleet_good_standing(e.machine_id, t.submitted_at, $7)))
-               OR EXISTS (
-                   SELECT 1 FROM machines m
-                   WHERE m.machine_id = t.machine_id
-                     AND m.identity_provider = ANY($5::text[]))) AS confirmed,
+               OR lorafleet_operator_run(t.machine_id, $5::text[])) AS confirmed,
            (SELECT count(DISTINCT l.machine_id) FROM leases l
             WHERE l.job_id = t.job_id AND l.end_reason = 'failed: internal'
               AND l.machine_id <> t.machine_id
-              AND lorafleet_good_standing(l.machine_id, t.submitted_at, $7)) AS blamed_before
+              AND (lorafleet_operator_run(l.machine_id, $5::text[])
+                   OR lorafleet_good_standing(l.machine_id, t.submitted_at, $7))) AS blamed_before
     FROM target t
 ), decided AS (
     SELECT j.*,
@@ -629,9 +630,10 @@ WITH target AS (
     RETURNING j.*
 ), ended AS (
     UPDATE leases l SET ended_at = now(),
-                        end_reason = CASE WHEN t.outgrown THEN 'outgrown'
-                                          ELSE 'failed: ' || lower($3) END
-    FROM target t WHERE l.lease_id = t.lease_id
+                        end_reason = CASE WHEN d.outgrown THEN 'outgrown'
+                                          ELSE 'failed: ' || lower($3) END,
+                        fault_believed = d.blamed OR d.confirmed
+    FROM decided d WHERE l.lease_id = d.lease_id
 ), banned AS (
     INSERT INTO bans (job_id, machine_id, reason)
     SELECT job_id, machine_id, $4 FROM target WHERE NOT outgrown
@@ -863,15 +865,15 @@ SELECT job_id, 'CHECKPOINT_DELETED', epoch, step, key FROM marked;
 
 -- name: upsert_machine
 -- $1 machine id, $2 provider instance id, $3 GPU model, $4 GPU memory in MB, $5 qualified,
--- $6 the qualification's figures, $7 worker version.
+-- $6 the qualification's figures, $7 worker version, $8 the model families it serves.
 INSERT INTO machines (machine_id, provider_instance_id, gpu_model, vram_mb, qualified,
-                      qualification, version)
-VALUES ($1, $2, $3, $4, $5, $6, $7)
+                      qualification, version, families)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
 ON CONFLICT (machine_id) DO UPDATE
 SET provider_instance_id = EXCLUDED.provider_instance_id, gpu_model = EXCLUDED.gpu_model,
     vram_mb = EXCLUDED.vram_mb, qualified = EXCLUDED.qualified,
     qualification = EXCLUDED.qualification, version = EXCLUDED.version,
-    last_seen_at = now();
+    families = EXCLUDED.families, last_seen_at = now();
 
 -- name: touch_machine
 -- Only the stream holding the machine's session ($2, its token's sha256) keeps it alive.

@@ -151,6 +151,9 @@ CREATE TABLE leases (
     -- Its grant span's W3C traceparent (0025; NULL: granted before): a resume after a
     -- reconnect puts the scheduler's spans for the lease under its grant again.
     traceparent       text,
+    -- Whether the fleet believed the failure that ended it (0028, fail_attempt): an INTERNAL
+    -- error counted against the job, or a confirmed input fault. Not an empty lease then.
+    fault_believed    boolean NOT NULL DEFAULT false,
     -- One grant per attempt, ever: the ledger itself forbids granting a job twice.
     UNIQUE (job_id, epoch)
 );
@@ -215,7 +218,9 @@ CREATE TABLE machines (
     session_token_sha256 bytea,
     -- Which provider vouched for the id on the current stream ('' : unverified; 0012).
     identity_provider    text NOT NULL DEFAULT '',
-    identity_verified_at timestamptz
+    identity_verified_at timestamptz,
+    -- The model families it serves, as its Hello announces them (0028).
+    families             text[] NOT NULL DEFAULT '{}'
 );
 -- Never-verified machines expire once silent and named by nothing (0015, expire_machines).
 CREATE INDEX machines_unverified_seen_idx ON machines (last_seen_at) WHERE identity_provider = '';
@@ -470,15 +475,17 @@ $$;
 -- expired or failed (as its holder said: input, internal) with no checkpoint recorded under
 -- them. Past a limit the machine is granted
 -- nothing (claim_job): taking and dropping leases is how a stream collects their URLs.
--- An input fault the fleet accepted as the job's (the job failed as INPUT, confirmed by
--- fail_attempt, which counts no node fault: not one that failed at max_node_faults) is the
--- user's, not the machine's, and is not counted (0026); one it did not accept is.
+-- A failure the fleet believed (0028, `fault_believed`: an INTERNAL error counted against the
+-- job, a confirmed input fault) is not counted, nor an input fault the fleet later accepted as
+-- the job's (the job failed as INPUT, confirmed by fail_attempt, which counts no node fault:
+-- not one that failed at max_node_faults; 0026); one it did not believe is.
 CREATE FUNCTION lorafleet_empty_leases(machine text, window_s float8) RETURNS bigint
 LANGUAGE sql STABLE AS $$
     SELECT count(*) FROM leases q
     WHERE q.machine_id = machine
       AND q.end_reason IN ('dropped', 'drained', 'expired', 'failed: input', 'failed: internal')
       AND q.ended_at > now() - make_interval(secs => window_s)
+      AND NOT q.fault_believed
       AND NOT EXISTS (SELECT 1 FROM checkpoints c
                       WHERE c.job_id = q.job_id AND c.epoch = q.epoch)
       AND NOT (q.end_reason = 'failed: input'
@@ -502,8 +509,7 @@ $$;
 
 -- Whether job $1 (memory need $2) waits on the quarantine: some machine that could run it is
 -- connected (holds a stream's session, seen within the window, qualified, with the memory,
--- not banned from the job), and every such machine is quarantined. The families a machine
--- serves are not recorded, so one of another family counts as able to run it.
+-- serving the job's family, not banned from the job), and every such machine is quarantined.
 CREATE FUNCTION lorafleet_waits_on_quarantine(job uuid, need_mb bigint, fault_threshold integer,
                                               window_s float8, empty_lease_limit integer)
 RETURNS boolean LANGUAGE sql STABLE AS $$
@@ -513,6 +519,7 @@ RETURNS boolean LANGUAGE sql STABLE AS $$
     WHERE m.session_token_sha256 IS NOT NULL
       AND m.last_seen_at > now() - make_interval(secs => window_s)
       AND m.qualified AND m.vram_mb >= need_mb
+      AND (SELECT j.family FROM jobs j WHERE j.job_id = job) = ANY (m.families)
       AND NOT EXISTS (SELECT 1 FROM bans b WHERE b.job_id = job AND b.machine_id = m.machine_id)
 $$;
 
@@ -547,11 +554,19 @@ END $$;
 CREATE TRIGGER sample_tasks_notify AFTER INSERT OR UPDATE OF state, lease_id ON sample_tasks
     FOR EACH ROW EXECUTE FUNCTION lorafleet_notify_sample_task();
 
+-- Whether a machine is one of the operator's own (0028): vouched for on its current stream by
+-- one of `operator_providers` (lorafleet up's local supervisor, EC2 in the operator's account).
+CREATE FUNCTION lorafleet_operator_run(machine text, operator_providers text[]) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM machines m
+                   WHERE m.machine_id = machine AND m.identity_provider = ANY (operator_providers))
+$$;
+
 -- A machine in good standing for a job submitted at `submitted_at` (0021, 0024): a provider
 -- vouched for it; it delivered a verified result at least `min_age_s` (standing_min_age_s, 6 h)
 -- before the job was submitted, with no node fault since; and of its last 10 attempts that
--- ended succeeded or failed, at least half succeeded. Only such machines' internal errors are
--- blamed on a job, and only two of them confirm an input fault (fail_attempt): a group of
+-- ended succeeded or failed, at least half succeeded. Only such machines' internal errors (and
+-- the operator's own machines': lorafleet_operator_run) are blamed on a job, and only two of them confirm an input fault (fail_attempt): a group of
 -- fresh machines arriving together has no say over any job submitted before it is hours old.
 CREATE FUNCTION lorafleet_good_standing(machine text, submitted_at timestamptz, min_age_s float8)
 RETURNS boolean
