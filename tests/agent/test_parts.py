@@ -119,15 +119,28 @@ def test_help_lists_every_option_with_its_variables(
 def test_main_exits_2_on_bad_configuration(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Each refusal is one line and where to read more, not the 60 lines of usage before it."""
     monkeypatch.delenv("LORAFLEET_WORKER_TOKEN", raising=False)
     assert main([]) == 2
-    assert "--worker-token / LORAFLEET_WORKER_TOKEN: Field required" in capsys.readouterr().err
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[1] == "see `lorafleet worker --help`", err
+    assert "--worker-token / LORAFLEET_WORKER_TOKEN: Field required" in err[0]
     monkeypatch.setenv("LORAFLEET_WORKER_TOKEN", "x")
     assert main(["--drain-grace-s", "0"]) == 2
     assert "LORAFLEET_DRAIN_GRACE_S: Input should be greater than 0" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exited:  # argparse's own refusal, also 2
-        main(["--device", "tpu"])
-    assert exited.value.code == 2
+    for argv, said in (
+        (["--device", "tpu"], "argument --device: invalid choice"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ):
+        with pytest.raises(SystemExit) as exited:  # argparse's own refusal, also 2
+            main(argv)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err == [
+            f"lorafleet worker: error: {err[0].split(': error: ', 1)[1]}",
+            "see `lorafleet worker --help`",
+        ], err
+        assert said in err[0], err
 
 
 def test_probe_passes_on_cpu_only_when_allowed(tmp_path: Path) -> None:

@@ -5,6 +5,9 @@ Each error says whether retrying the same call can help (`retryable`).
 
 from __future__ import annotations
 
+import argparse
+from typing import NoReturn
+
 
 class LorafleetError(Exception):
     """Root of every error lorafleet raises on purpose."""
@@ -65,3 +68,13 @@ def is_retryable(exc: BaseException) -> bool:
     """Whether `exc` is one of lorafleet's errors that a retry may cure (e.g. the ledger or the
     store was unavailable). Background loops outlive these and stop on anything else."""
     return isinstance(exc, LorafleetError) and exc.retryable
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Every `lorafleet` command's parser (`lorafleet worker`'s, and through add_subparsers,
+    which makes subparsers of its own class, every subcommand's): a bad flag is one line and
+    where to read more, as any other error. argparse's own printed the usage first, 54 lines
+    of it for `submit`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\nsee `{self.prog} --help`\n")

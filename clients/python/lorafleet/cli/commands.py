@@ -13,7 +13,7 @@ import json
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from lorafleet.cli.local_inputs import (
     family_from_local_model,
@@ -66,15 +66,6 @@ JOB_COMMANDS = (
     "webhooks",
     "samples",
 )
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """`lorafleet`'s parser and, through add_subparsers (which makes subparsers of its own
-    class), every subcommand's: a bad flag value is one line and where to read more, as any
-    other error. argparse's own printed the usage first, 54 lines of it for `submit`."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\nsee `{self.prog} --help`\n")
 
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
@@ -459,4 +450,4 @@ async def run_job_command(args: argparse.Namespace) -> int:
         return await commands[args.command](client, args)
 
 
-__all__ = ["JobSpec", "OneLineErrorParser", "add_job_commands", "run_job_command"]
+__all__ = ["JobSpec", "add_job_commands", "run_job_command"]

@@ -21,13 +21,8 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from lorafleet.cli.commands import (
-    JOB_COMMANDS,
-    OneLineErrorParser,
-    add_job_commands,
-    run_job_command,
-)
-from lorafleet.core.errors import LorafleetError
+from lorafleet.cli.commands import JOB_COMMANDS, add_job_commands, run_job_command
+from lorafleet.core.errors import LorafleetError, OneLineErrorParser
 from lorafleet.core.telemetry import configure_logging, configure_tracing
 
 # Imported only when one of them runs: a client command should not pay for the scheduler's

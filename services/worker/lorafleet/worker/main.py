@@ -24,6 +24,7 @@ from dataclasses import asdict
 
 import structlog
 
+from lorafleet.core.errors import OneLineErrorParser
 from lorafleet.core.settings import ConfigError, add_flags, env_names, load
 from lorafleet.core.telemetry import MetricsServer, configure_logging, configure_tracing
 from lorafleet.worker.agent import Agent, AgentError, State
@@ -37,7 +38,7 @@ log = structlog.get_logger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="lorafleet worker",
         description="Connect to a lorafleet scheduler and train the jobs it leases. Every"
         " option also reads the environment variable named in its help; a flag wins.",
@@ -193,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args, os.environ)
     except ConfigError as exc:
-        parser.print_usage(sys.stderr)
-        print(f"lorafleet worker: error: {exc}", file=sys.stderr)
+        print(f"lorafleet worker: error: {exc}\nsee `lorafleet worker --help`", file=sys.stderr)
         return 2
     # Process-wide setup, only once the configuration is known to be good.
     stop_with_parent(os.environ)
