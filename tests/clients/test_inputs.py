@@ -245,10 +245,17 @@ def test_not_a_zip_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-async def zip_server() -> AsyncIterator[str]:
+def zip_requests() -> list[str]:
+    """The paths `zip_server` was asked for, in order."""
+    return []
+
+
+@pytest.fixture
+async def zip_server(zip_requests: list[str]) -> AsyncIterator[str]:
     """A zip served over plain HTTP on loopback (tests only: the client wants https)."""
 
     async def handler(request: web.Request) -> web.Response:
+        zip_requests.append(request.path)
         return web.Response(body=_zip(DATASET), content_type="application/zip")
 
     app = web.Application()
@@ -283,6 +290,40 @@ async def test_images_url_downloads_then_uploads(
     assert json.loads(out)[0]["spec"]["instance_data_prefix"].startswith("rex-")
     names = [k.rsplit("/", 1)[1] for k in await _uploaded(fleet)]
     assert names == ["1.png", "1.txt", "2.jpg"]
+
+
+async def test_images_url_is_fetched_only_for_a_spec_the_fleet_accepts(
+    fleet: Fleet,
+    zip_server: str,
+    zip_requests: list[str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A spec the scheduler refuses (a job no node of the fleet can hold) downloaded the whole
+    zip before it was refused; `--estimate` downloaded it too, to read no image of it."""
+    monkeypatch.setenv("LORAFLEET_ALLOW_HTTP_LOOPBACK_URLS", "1")
+    code, _, err = await lorafleet(
+        capsys,
+        monkeypatch,
+        fleet,
+        "submit",
+        "--images-url",
+        zip_server,
+        *PROMPT,
+        "--min-vram-mb",
+        "40000",
+    )
+    assert "spec.min_vram_mb: " in _one_line_error(code, err)
+    code, out, err = await lorafleet(
+        capsys, monkeypatch, fleet, "submit", "--images-url", zip_server, *PROMPT, "--estimate"
+    )
+    assert code == 0, err
+    assert zip_requests == []
+    code, _, err = await lorafleet(
+        capsys, monkeypatch, fleet, "submit", "--images-url", zip_server, *PROMPT
+    )
+    assert code == 0, err
+    assert zip_requests == ["/data/rex.zip"]
 
 
 async def test_sdk_upload_zip_and_url(fleet: Fleet, zip_server: str, tmp_path: Path) -> None:

@@ -11,7 +11,9 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Awaitable, Callable
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +78,12 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
 
 
 async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
-    """Checks everything it can (spec, folders, zips, every image decodes, then the
-    scheduler's checks of the spec for this fleet) before uploading anything, then uploads,
-    then submits."""
-    uploads: list[tuple[str, list[TrainingFile]]] = []
+    """Checks everything it can (the spec, then the scheduler's checks of it for this fleet,
+    then the folders, zips and URLs: every image decodes) before uploading anything, then
+    uploads, then submits. A refused spec downloads nothing (`--images-url`) and `--estimate`
+    reads no image."""
+    # The images each spec uploads, read once the specs passed the scheduler's checks.
+    readers: list[tuple[str, Callable[[], Awaitable[list[TrainingFile]]]]] = []
     if args.batch:
         documents = load_document(Path(args.batch), "batch")
         if not isinstance(documents, list):
@@ -102,8 +106,12 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
             except InvalidArgument as exc:
                 raise InvalidArgument(f"batch[{i}].{exc.field}", exc.reason) from None
             if source:
-                files = await read_images(client, folder=folder, zip_file=zip_file, url=url)
-                uploads.append((document["instance_data_prefix"], files))
+                readers.append(
+                    (
+                        document["instance_data_prefix"],
+                        partial(read_images, client, folder=folder, zip_file=zip_file, url=url),
+                    )
+                )
             specs.append(document)
     else:
         base = load_spec_file(Path(args.spec)) if args.spec else {}
@@ -117,24 +125,29 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
             spec.setdefault("class_data_prefix", upload_prefix(Path(args.class_images).name))
         build_spec(spec)  # the spec's own checks, as the scheduler runs them
         if source:
-            files = await read_images(
-                client, folder=args.images, zip_file=args.images_zip, url=args.images_url
+            readers.append(
+                (
+                    spec["instance_data_prefix"],
+                    partial(
+                        read_images,
+                        client,
+                        folder=args.images,
+                        zip_file=args.images_zip,
+                        url=args.images_url,
+                    ),
+                )
             )
-            uploads.append((spec["instance_data_prefix"], files))
         if args.class_images:
-            skipped: list[str] = []
-            class_files = await asyncio.to_thread(
-                read_folder, args.class_images, field="class_images", skipped=skipped
+            readers.append(
+                (spec["class_data_prefix"], partial(read_class_images, args.class_images))
             )
-            say_skipped(args.class_images, skipped)
-            uploads.append((spec["class_data_prefix"], class_files))
         specs = [spec]
     # The scheduler's checks of each spec for this fleet (a job no node of it can hold, a
-    # webhook host it forbids) before anything is uploaded: EstimateJob runs SubmitJob's, the
-    # data's presence and the spend limit aside.
+    # webhook host it forbids) before any image is read, downloaded or uploaded: EstimateJob
+    # runs SubmitJob's, the data's presence and the spend limit aside.
     estimates = (
         await estimate_each(client, specs, in_batch=bool(args.batch))
-        if (args.estimate or uploads)
+        if (args.estimate or readers)
         else []
     )
     if args.estimate:
@@ -144,6 +157,7 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
             for e in estimates:
                 print(describe_estimate(e))
         return 0
+    uploads = [(prefix, await read()) for prefix, read in readers]
     for prefix, files in uploads:
         await client.upload_files(files, prefix=prefix)
     if args.batch:
@@ -158,6 +172,13 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
     if args.watch and len(jobs) == 1:
         return await watch(client, jobs[0].job_id, as_json=args.json)
     return 0
+
+
+async def read_class_images(folder: str) -> list[TrainingFile]:
+    skipped: list[str] = []
+    files = await asyncio.to_thread(read_folder, folder, field="class_images", skipped=skipped)
+    say_skipped(folder, skipped)
+    return files
 
 
 async def estimate_each(
