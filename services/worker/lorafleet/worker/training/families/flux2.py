@@ -9,6 +9,10 @@ sequence length; the prompt template), read from the pipeline, never copied: dif
 script defaults its layers to 10, 20, 30 (FLUX.2 [dev]'s; diffusers issue #13445), which feeds
 the transformer embeddings it was never trained on. A test compares our prompt embeddings with
 the pipeline's `encode_prompt`.
+
+The transformer's last single block computes its attention and MLP for the image tokens only
+(`ImageRowsAttention`): the transformer drops the text tokens' rows right after that block, so
+the default processor computes them for nothing (with 512 prompt tokens, most of that block).
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from diffusers.models import attention_dispatch as _attention_dispatch
+from diffusers.models import embeddings as _embeddings
+from diffusers.models.transformers.transformer_flux2 import Flux2ParallelSelfAttnProcessor
 
 from lorafleet.worker.training.base_model import (
     SAFE,
@@ -39,6 +46,11 @@ if TYPE_CHECKING:
     from lorafleet.worker.training.config import Runtime, TrainingConfig
 
 
+# Typed for diffusers' own callers (apply_rotary_emb's (cos, sin) pair is typed as a 1-tuple).
+dispatch_attention_fn: Any = _attention_dispatch.dispatch_attention_fn
+apply_rotary_emb: Any = _embeddings.apply_rotary_emb
+
+
 # Read once: a signature costs microseconds, and the loss asks for it every step.
 @functools.cache
 def pipeline_default(name: str, method: str = "encode_prompt") -> Any:
@@ -46,6 +58,14 @@ def pipeline_default(name: str, method: str = "encode_prompt") -> Any:
     max_sequence_length) or `__call__` (guidance_scale)."""
     signature = inspect.signature(getattr(diffusers.Flux2KleinPipeline, method))
     return signature.parameters[name].default
+
+
+def unpack(tokens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """`Flux2KleinPipeline._pack_latents` undone: (batch, height * width, channels) tokens back
+    to (batch, channels, height, width) latents. The latent ids are in that row-major order, so
+    this is what the pipeline's `_unpack_latents_with_ids` scatters, without a scatter (and its
+    backward's gather) per image."""
+    return tokens.transpose(1, 2).reshape(shape)
 
 
 class Flux2(FlowMatching):
@@ -75,6 +95,7 @@ class Flux2(FlowMatching):
         transformer = load_denoiser(
             config, runtime, diffusers.Flux2Transformer2DModel, "transformer"
         )
+        ImageRowsAttention.install(transformer)
         # The batch-norm statistics below are fp32 reads of the VAE: it stays fp32 unless the
         # mixed precision asks otherwise (FLUX.2's VAE is stable in bf16).
         vae = load_vae(config, frozen, diffusers.AutoencoderKLFlux2)
@@ -198,9 +219,7 @@ class Flux2(FlowMatching):
                 img_ids=latent_ids,
                 return_dict=False,
             )[0]
-        prediction = prediction[:, : packed.size(1)]
-        height, width = latents.shape[2:]
-        prediction = pipeline._unpack_latents_with_ids(prediction, latent_ids, height, width)
+        prediction = unpack(prediction[:, : packed.size(1)], latents.shape)
         return self.velocity_loss(run, prediction, latents, draws)
 
     def kohya_state_dict(
@@ -266,3 +285,74 @@ class Flux2(FlowMatching):
         if negative_prompt:
             arguments["negative_prompt"] = negative_prompt
         return arguments
+
+
+class ImageRowsAttention:
+    """The attention processor of the transformer's last single block: every token's keys and
+    values, but the queries, attention and MLP of the image tokens only. The transformer drops
+    the text tokens' rows after that block (`hidden_states[:, num_txt_tokens:]`), so their
+    outputs are never used: here they are zeros, and the image rows are what the default
+    processor (`Flux2ParallelSelfAttnProcessor`) computes, each row's arithmetic unchanged.
+    With klein's 512 prompt tokens that is most of the block's attention and MLP, forward and
+    backward: a tenth of the tiny model's training step at 64 px (4 blocks, 256 image tokens),
+    well under 1% of klein 4B's at 1024 px (25 blocks, 4096 image tokens).
+
+    The transformer's forward pre-hook tells it each call's text length (the prompt embedding's
+    tokens): no call, training or sampling, can see another call's. Without one (another
+    caller, a KV-cache mode, an attention mask, context parallelism) it runs the default
+    processor. A test compares the output and the LoRA gradients with the default processor's.
+    """
+
+    # Set by diffusers' `set_attention_backend` and context parallelism on every processor.
+    _attention_backend: Any = None
+    _parallel_config: Any = None
+
+    def __init__(self, default: Any) -> None:
+        self.default = default
+        self.text_tokens = 0
+
+    @classmethod
+    def install(cls, transformer: Any) -> None:
+        """On the last single block, if it has diffusers' default processor (another one is
+        someone's choice, kept)."""
+        blocks = getattr(transformer, "single_transformer_blocks", None)
+        if not blocks:
+            return
+        attention = blocks[-1].attn
+        if type(attention.processor) is not Flux2ParallelSelfAttnProcessor:
+            return
+        processor = cls(attention.processor)
+        attention.set_processor(processor)
+
+        def count_text_tokens(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            text: Any = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+            plain = text is not None and kwargs.get("kv_cache_mode") is None
+            processor.text_tokens = int(text.shape[1]) if plain else 0
+
+        transformer.register_forward_pre_hook(count_text_tokens, with_kwargs=True)
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        text = self.text_tokens
+        if not text or attention_mask is not None or self._parallel_config is not None:
+            return self.default(attn, hidden_states, attention_mask, image_rotary_emb)  # type: ignore[no-any-return]
+        projected = attn.to_qkv_mlp_proj(hidden_states)
+        qkv_width = 3 * attn.inner_dim
+        qkv, mlp = projected.split([qkv_width, projected.shape[-1] - qkv_width], dim=-1)
+        query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
+        query = attn.norm_q(query[:, text:])
+        key = attn.norm_k(key)
+        if image_rotary_emb is not None:
+            cos, sin = image_rotary_emb
+            query = apply_rotary_emb(query, (cos[text:], sin[text:]), sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        attended = dispatch_attention_fn(query, key, value, backend=self._attention_backend)
+        attended = attended.flatten(2, 3).to(query.dtype)
+        image_rows = attn.to_out(torch.cat([attended, attn.mlp_act_fn(mlp[:, text:])], dim=-1))
+        # (batch, tokens, width): the text tokens' rows first, zero.
+        return torch.nn.functional.pad(image_rows, (0, 0, text, 0))
