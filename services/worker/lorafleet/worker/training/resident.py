@@ -5,7 +5,11 @@ minutes more; a worker pays both once and keeps them (`ResidentModel`, one per w
 on its training thread by training runs and sample tasks alike). What it keeps is only what no
 job changes: the frozen denoiser, VAE, text encoders and tokenizers of one base model in one
 precision (`JobSpec.resident_key`), and the compiled step of each shape it ran compiled
-(`JobSpec.compiled_shape_key`). Everything of a job lives on its run and goes with it:
+(`JobSpec.compiled_shape_key`). A compiled step that works by changing the resident modules
+(compiled_step.py's compiled blocks, which the denoiser's blocks call in place of their eager
+forward) is installed on them for the run that uses it and uninstalled when the run hands them
+back, so eager runs and sample tasks compute on the modules exactly as loaded. Everything of a
+job lives on its run and goes with it:
 
 * a run attaches adapters to the resident modules, initialised as on a freshly loaded model,
   and `release_run` parks them (zeroed, gradients dropped, frozen and disabled: the modules
@@ -33,7 +37,7 @@ import dataclasses
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import diffusers as _diffusers
 import torch
@@ -47,12 +51,23 @@ from lorafleet.worker.training.lora import park_lora, parked_shapes
 diffusers: Any = _diffusers
 
 
+@runtime_checkable
+class InstalledStep(Protocol):
+    """A compiled step that lives on the resident modules while a run uses it."""
+
+    def install(self) -> None: ...
+
+    def uninstall(self) -> None: ...
+
+
 @dataclass
 class _Held:
     key: str
     components: Components
     # The compiled step of each shape compiled on these modules.
     compiled: dict[str, Callable[..., Any]]
+    # The shape whose InstalledStep is on the modules now (a compiled run is using it).
+    installed: str | None = None
 
 
 class ResidentModel:
@@ -112,28 +127,45 @@ class ResidentModel:
     def compiled(
         self, shape_key: str, build: Callable[[], Callable[..., Any]]
     ) -> Callable[..., Any]:
-        """The compiled step kept for `shape_key`, made by `build()` the first time."""
-        assert self._held is not None, "components_for comes first"
-        step = self._held.compiled.get(shape_key)
+        """The compiled step kept for `shape_key`, made by `build()` the first time; an
+        `InstalledStep` is installed on the modules until `release_run`."""
+        held = self._held
+        assert held is not None, "components_for comes first"
+        step = held.compiled.get(shape_key)
         if step is None:
-            step = self._held.compiled[shape_key] = build()
+            step = held.compiled[shape_key] = build()
+        if isinstance(step, InstalledStep) and held.installed != shape_key:
+            self._uninstall()
+            step.install()
+            held.installed = shape_key
         return step
 
     def is_compiled(self, shape_key: str) -> bool:
         return self._held is not None and shape_key in self._held.compiled
 
     def forget_compiled(self, shape_key: str) -> None:
-        """A compiled step that misbehaved is not kept (nor announced)."""
+        """A compiled step that misbehaved is not kept (nor announced), nor left installed."""
         if self._held is not None:
+            if self._held.installed == shape_key:
+                self._uninstall()
             self._held.compiled.pop(shape_key, None)
+
+    def _uninstall(self) -> None:
+        held = self._held
+        if held is not None and held.installed is not None:
+            step = held.compiled[held.installed]
+            assert isinstance(step, InstalledStep)
+            step.uninstall()
+            held.installed = None
 
     def release_run(self, components: Components) -> None:
         """Puts the resident modules back to computing what they computed as loaded, after a
         run or a sample task: adapters parked (`park_lora`), gradient checkpointing off, eval
-        mode. Drops the whole set if that fails."""
+        mode, the compiled step uninstalled. Drops the whole set if that fails."""
         if self._held is None or components.denoiser is not self._held.components.denoiser:
             return
         try:
+            self._uninstall()
             # Checkpointing first: turning it off on an encoder that still has its adapter also
             # removes the input-grad hook transformers added for it.
             if components.denoiser.is_gradient_checkpointing:
@@ -159,6 +191,7 @@ class ResidentModel:
         """Drops the resident set and its compiled steps, and gives their memory back."""
         if self._held is None:
             return
+        self._uninstall()
         self._held = None
         self._adapter_shapes = ()
         gc.collect()
