@@ -126,6 +126,9 @@ print(f\"$preset built in {time.perf_counter() - started:.0f} s\")
       ' >"$out/bench_families.log" 2>&1
       kill $smi 2>/dev/null
       ;;
+    compile) # issue 34, not in the default list, after model: bench/bench_compile.py, COMPILE_MODES
+      # shellcheck disable=SC2086 # COMPILE_MODES is a list of modes
+      timeout 580 $python bench/bench_compile.py --device cuda --families sdxl --model-dir $model --gradient-checkpointing --steps 10 --modes ${COMPILE_MODES:-eager regional whole} --json "$out/bench_compile.json" >"$out/bench_compile.log" 2>&1 ;;
     tests)
       # The root conftest needs the fleet's services (Postgres, gRPC); the trainer's tests need
       # only the tiny model and one thread, given here by a plugin of two fixtures.
