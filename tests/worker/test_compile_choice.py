@@ -50,3 +50,11 @@ def test_compile_model_is_auto_by_default_and_takes_booleans(given: str, expecte
     config = WorkerConfig.from_env({**base, "LORAFLEET_COMPILE_MODEL": given})
     assert config.compile_model == expected
     assert config.compile_cache_path.name == "compile-m1"
+
+
+def test_compile_artifacts_path_is_unset_by_default_and_read_from_the_env(tmp_path: Path) -> None:
+    base = {"LORAFLEET_WORKER_TOKEN": "t", "LORAFLEET_MACHINE_ID": "m1"}
+    assert WorkerConfig.from_env(base).compile_artifacts_path is None
+    baked = tmp_path / "artifacts.bin"
+    config = WorkerConfig.from_env({**base, "LORAFLEET_COMPILE_ARTIFACTS_PATH": str(baked)})
+    assert config.compile_artifacts_path == baked

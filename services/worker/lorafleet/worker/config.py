@@ -185,6 +185,12 @@ class WorkerConfig(ServiceSettings):
         " across leases and restarts, never shared with other workers; bake one into an image"
         " here (unset: $XDG_CACHE_HOME or ~/.cache, then lorafleet/compile-<machine id>)",
     )
+    compile_artifacts_path: Path | None = Field(
+        None,
+        description="a file of torch compile artifacts the operator baked into this image for its"
+        " GPU and torch version, loaded into compile_cache_dir at start so that the default jobs"
+        " compile in seconds; a local file only, never one from another worker",
+    )
 
     # The simulated trainer (simulated.py): benchmarks and tests only, never the default.
     simulate_step_s: float | None = Field(

@@ -12,19 +12,36 @@ kernel caches (`TORCHINDUCTOR_CACHE_DIR`) live under it, so a restarted worker c
 shape in seconds. It is never uploaded nor downloaded (compiled code from another machine is
 code from a stranger); an operator may bake one into the worker image (docs/DEPLOYING.md).
 Each worker has its own, so its cost records describe its own machine.
+
+A fresh node need not compile cold either: torch's portable compile artifacts (the "mega-cache":
+inductor's compiled graphs and kernels, AOTAutograd's entries) of the default job shapes, made
+once per GPU architecture and torch version by the operator (`bake_compile_artifacts`) and baked
+into the worker image, are loaded into the node's cache directory at worker start
+(`load_compile_artifacts`, the worker's `compile_artifacts_path`). Only from that local file:
+never downloaded, never from another worker, for the reason above.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 import os
 import statistics
 import tempfile
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+
+if TYPE_CHECKING:
+    from lorafleet.core.spec import JobSpec
+    from lorafleet.worker.training.config import DeviceChoice
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +59,10 @@ class ShapeCosts:
     compile_s: float | None = None
 
 
-# A shape this node never ran: a compile as slow as a cold one on a small node (the CPU's
-# 90-160 s, an H100's 7 minutes), an eager step of a second, a quarter of it saved compiled.
-# Only jobs of well over a thousand steps compile on the prior alone.
+# A shape this node never ran: a compile as slow as a cold one on a small node (a whole-model
+# compile: the CPU's 90-160 s, an H100's 7 minutes; regional compilation's is 3-4 times shorter
+# on the CPU, not yet measured on a GPU), an eager step of a second, a quarter of it saved
+# compiled. Only jobs of well over a thousand steps compile on the prior alone.
 PRIOR_COMPILE_S = 300.0
 PRIOR_EAGER_STEP_S = 1.0
 PRIOR_COMPILED_SHARE = 0.75
@@ -158,3 +176,65 @@ def use_cache_dir(directory: Path) -> None:
     inductor = directory / "inductor"
     inductor.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
+
+
+def load_compile_artifacts(path: Path, cache_dir: Path) -> None:
+    """Loads the compile artifacts the operator baked into the image at `path` into the node's
+    cache directory `cache_dir`, where the compiles of the shapes they cover then find their
+    graphs (a cache hit: dynamo traces, AOTAutograd and inductor lower nothing; on CUDA the
+    Triton kernels are in them too, on a CPU the C++ compiler builds its kernels again). At
+    worker start, before any compile. Artifacts of another torch version or GPU never hit;
+    they cost nothing but the load. A missing or unreadable file fails the start: the operator
+    named it."""
+    use_cache_dir(cache_dir)
+    info = torch.compiler.load_cache_artifacts(path.read_bytes())
+    if info is None:
+        raise ValueError(f"{path} holds no compile artifacts torch can read")
+    count = sum(len(keys) for keys in info.artifacts.values())
+    log.info("loaded %d compile artifacts from %s", count, path)
+
+
+def bake_compile_artifacts(
+    model_path: Path, specs: Sequence[JobSpec], out: Path, *, device: DeviceChoice = "auto"
+) -> int:
+    """The operator's command: compiles each job of `specs` (the default jobs' shapes) on the
+    base model at `model_path` (one compiled step each, on generated images, in a fresh cache,
+    so that every artifact is made here), and writes torch's compile artifacts of all of them to
+    `out`, the file to bake into the worker image and name in `compile_artifacts_path`. Run it
+    on the GPU and torch version the workers run. Returns the bytes written."""
+    # The trainer imports this module: imported here, where the bake runs it.
+    from lorafleet.worker.training import Trainer, TrainingConfig, TrainingImage
+    from lorafleet.worker.training.resident import ResidentModel
+
+    resident = ResidentModel()
+    with tempfile.TemporaryDirectory(prefix="lorafleet-bake-") as scratch:
+        for spec in specs:
+            one_step = replace(spec, max_train_steps=1)
+            config = TrainingConfig(
+                spec=one_step,
+                model_path=str(model_path),
+                local_files_only=True,
+                device=device,
+                compile_model="on",
+                compile_cache_dir=scratch,
+            )
+            images = [TrainingImage(f"{i}.png", _noise_png(spec.resolution, i)) for i in range(2)]
+            Trainer(config, resident).run(instance_images=images)
+        resident.release()
+        saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        raise RuntimeError("nothing was compiled: no compile artifacts to save")
+    data, _ = saved
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=out.parent, prefix=".artifacts-")
+    with os.fdopen(fd, "wb") as file:
+        file.write(data)
+    os.replace(partial, out)
+    return len(data)
+
+
+def _noise_png(size: int, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buffer, format="PNG")
+    return buffer.getvalue()
