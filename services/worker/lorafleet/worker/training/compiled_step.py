@@ -66,12 +66,13 @@ def compiled_loss(
 ) -> Callable[..., Any]:
     """With trained text encoders: one graph from the prompt's token ids to the loss, so one
     backward graph through the encoders and the denoiser (-10% a step against compiling each
-    model). Not regional, though its compile takes longer (1.5-5x on the CPU): the encoders'
-    layers carry transformers' output-capturing hooks (the hidden states the families read),
-    which a compiled block forward would skip, and with the encoders eager beside the
-    denoiser's compiled blocks the tiny models' step was 1.5x (FLUX.1) to 5x (SDXL) slower
-    (docs/BENCHMARKS.md, "Regional compilation"). `loss_from_token_ids` is the run's unbound
-    method: the result takes the run first."""
+    model). Not regional, though its compile takes longer (1.5x for FLUX.1, 6x for SDXL on the
+    tiny models' CPU): the encoders' layers carry transformers' output-capturing hooks (the
+    hidden states the families read), which a compiled block forward would skip, and with the
+    encoders eager beside the denoiser's compiled blocks the tiny models' step was 1.1x (SDXL)
+    to 1.5x (FLUX.1) longer (docs/BENCHMARKS.md, "Regional compilation"; not the default job,
+    whose encoders are frozen). `loss_from_token_ids` is the run's unbound method: the result
+    takes the run first."""
     _use_cache_dir(config)
     install_output_hooks(list(components.text_encoders.values()))
     # dynamo checks its guards on the models' thousands of module attributes by one
