@@ -97,6 +97,10 @@ def compiled_denoiser(
     )
 
 
+# Graphs kept per block class: the job shapes a worker serves compiled, times up to four.
+RECOMPILE_LIMIT = 64
+
+
 class CompiledBlocks:
     """Regional compilation: one compiled forward per class of the blocks the denoiser repeats
     (diffusers names them in `_repeated_blocks`: SDXL's transformer blocks, FLUX's double- and
@@ -114,6 +118,12 @@ class CompiledBlocks:
     """
 
     def __init__(self, denoiser: torch.nn.Module) -> None:
+        # Dynamo keeps at most `recompile_limit` graphs of one code object (8 by default), then
+        # runs it eager for any new shape: a block class gets up to four graphs a job shape
+        # (SDXL's two widths, each with a first block whose input needs no gradient), and a
+        # worker keeps every shape it ran. Raised for the process, whose one compile this is.
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         repeated = set(getattr(denoiser, "_repeated_blocks", ()))
         forwards: dict[type[torch.nn.Module], Callable[..., Any]] = {}
         self._denoiser = denoiser
