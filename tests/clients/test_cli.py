@@ -18,7 +18,7 @@ from lorafleet.core.model import RESULT_FILE_NAMES
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as jpb
 from tests.scheduler.test_ledger import in_good_standing
-from tests.support.artifacts import lora_blob
+from tests.support.artifacts import kohya_blob, lora_blob
 from tests.support.fleet import Fleet
 from tests.support.images import jpeg
 from tests.support.workers import connect_worker
@@ -295,7 +295,7 @@ async def test_cli_downloads_either_result_file_of_a_both_formats_job(
     assert code == 0
     (job,) = json.loads(out)
     assert job["spec"]["output_format"] == "both"
-    files = {"diffusers": lora_blob(1), "kohya": lora_blob(2)}
+    files = {"diffusers": lora_blob(1), "kohya": kohya_blob(2)}
     async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
         granted = await worker.ready_for_lease()
         urls = granted.urls

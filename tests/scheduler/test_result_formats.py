@@ -13,7 +13,7 @@ import pytest
 from lorafleet.core.model import result_key
 from lorafleet.fleet.v1 import fleet_pb2 as fpb
 from lorafleet.jobs.v1 import jobs_pb2 as pb
-from tests.support.artifacts import lora_blob
+from tests.support.artifacts import kohya_blob, lora_blob
 from tests.support.fleet import Fleet
 from tests.support.workers import connect_worker
 
@@ -37,7 +37,7 @@ async def test_both_formats_are_stored_fenced_recorded_and_listed(fleet: Fleet) 
     job = await fleet.alice.submit(output_format=pb.OUTPUT_FORMAT_BOTH)
     assert job.spec.output_format == pb.OUTPUT_FORMAT_BOTH
     store = fleet.scheduler.storage
-    diffusers, kohya = lora_blob(1), lora_blob(2)
+    diffusers, kohya = lora_blob(1), kohya_blob(2)
     async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
         granted = await worker.ready_for_lease()
         urls = granted.urls
@@ -90,7 +90,7 @@ async def test_both_formats_are_stored_fenced_recorded_and_listed(fleet: Fleet) 
 
 async def test_kohya_only_job_stores_its_kohya_file_as_the_result(fleet: Fleet) -> None:
     job = await fleet.alice.submit(output_format=pb.OUTPUT_FORMAT_KOHYA)
-    kohya = lora_blob(2)
+    kohya = kohya_blob(2)
     async with connect_worker(fleet.channel, fleet.token, "m1") as worker:
         granted = await worker.ready_for_lease()
         assert granted.urls.result_upload.key == result_key(job.job_id, 1, "kohya")
@@ -156,7 +156,7 @@ async def test_a_kohya_file_announced_unlike_what_is_stored_is_refused(fleet: Fl
         granted = await worker.ready_for_lease()
         urls = granted.urls
         await _put(urls.result_upload.url, lora_blob(1))
-        await _put(urls.kohya_result_upload.url, lora_blob(2))
+        await _put(urls.kohya_result_upload.url, kohya_blob(2))
         main = _file(urls.result_upload.key, lora_blob(1))
         await worker.send(
             job_succeeded=fpb.JobSucceeded(

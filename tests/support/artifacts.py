@@ -20,10 +20,16 @@ CHECKPOINT_TENSORS: dict[str, tuple[str, tuple[int, ...]]] = {
     "optimizer.state.0.exp_avg": ("F32", (4, 8)),
     "rng.torch": ("U8", (16,)),
 }
-# A diffusers LoRA file, in miniature.
+# A diffusers LoRA file, in miniature (rank 4, the spec's default).
 LORA_TENSORS: dict[str, tuple[str, tuple[int, ...]]] = {
     "unet.down_blocks.0.attn.to_k.lora_A.weight": ("F32", (4, 8)),
     "unet.down_blocks.0.attn.to_k.lora_B.weight": ("F32", (8, 4)),
+}
+# The same LoRA in kohya's layout.
+KOHYA_TENSORS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "lora_unet_down_blocks_0_attn_to_k.lora_down.weight": ("F32", (4, 8)),
+    "lora_unet_down_blocks_0_attn_to_k.lora_up.weight": ("F32", (8, 4)),
+    "lora_unet_down_blocks_0_attn_to_k.alpha": ("F32", ()),
 }
 
 
@@ -59,3 +65,8 @@ def checkpoint_blob(
 def lora_blob(fill: int = 0) -> bytes:
     """A LoRA result file (`fill` varies its bytes)."""
     return safetensors_bytes(LORA_TENSORS, fill=fill)
+
+
+def kohya_blob(fill: int = 0) -> bytes:
+    """A kohya-layout LoRA result file (`fill` varies its bytes)."""
+    return safetensors_bytes(KOHYA_TENSORS, fill=fill)

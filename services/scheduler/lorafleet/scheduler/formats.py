@@ -8,8 +8,12 @@ by it. So the scheduler reads each announced object's safetensors header with ra
 
 * a result (diffusers or kohya LoRA file) is a safetensors file: an 8-byte little-endian header
   length, a JSON header of at most `MAX_HEADER_BYTES`, then the data, every byte of which the
-  header's tensors cover exactly once (the object's size must match); every tensor is a LoRA
-  tensor (its name says "lora");
+  header's tensors cover exactly once (the object's size must match); its tensors are LoRA
+  adapters of the job's rank, in the file's layout (`check_lora_file`: diffusers' `lora_A` /
+  `lora_B` pairs, kohya's `lora_down` / `lora_up` / `alpha` triples), and a diffusers file
+  holds exactly the adapters the job's checkpoints trained, shape for shape. A file of other
+  tensors, or of one made-up tensor, is no LoRA of the job; made-up values of the right shapes
+  are what the form cannot tell (docs/THREAT_MODEL.md);
 * a checkpoint is the worker's bundle (`lorafleet.worker.training.checkpoint`, format 1): the
   magic `LFCKPT\\x00\\x01`, a 32-byte digest, then a safetensors file as above holding the LoRA
   weights, the optimizer state and the RNG states; its tensors' names and shapes must equal
@@ -115,14 +119,88 @@ async def checkpoint_layout(
     return layout
 
 
-async def check_lora_file(storage: ObjectStore, key: str, *, size_bytes: int) -> None:
-    """A result file: a safetensors file of LoRA tensors only; `BadFormat` otherwise."""
+# An adapter's two tensors, as each layout names them: a diffusers file's are peft's (FLUX.1,
+# FLUX.2) or, for SDXL, what diffusers' convert_state_dict_to_diffusers makes of them (the
+# UNet's `lora.down`, the CLIP encoders' `lora_linear_layer.down`); a kohya file's are
+# `lora_down` / `lora_up`, with a scalar `alpha` beside them.
+DIFFUSERS_PAIRS = (
+    (".lora_A.weight", ".lora_B.weight"),
+    (".lora.down.weight", ".lora.up.weight"),
+    (".lora_linear_layer.down.weight", ".lora_linear_layer.up.weight"),
+)
+KOHYA_PAIRS = ((".lora_down.weight", ".lora_up.weight"),)
+
+
+async def check_lora_file(
+    storage: ObjectStore,
+    key: str,
+    *,
+    size_bytes: int,
+    file_format: str,
+    rank: int,
+    checkpoint: Layout | None = None,
+) -> None:
+    """A result file of the job: a safetensors file of LoRA adapters of rank `rank` in the
+    layout of `file_format` (diffusers or kohya); a diffusers file also holds exactly the
+    adapters of the job's `checkpoint` layout, if it has one. `BadFormat` otherwise."""
     layout = await safetensors_layout(storage, key, size_bytes=size_bytes)
     if not layout:
         raise BadFormat("a LoRA file without tensors")
-    strangers = [name for name in layout if "lora" not in name.lower()]
-    if strangers:
-        raise BadFormat(f"not a LoRA file: tensor {strangers[0][:200]!r}")
+    kohya = file_format == "kohya"
+    adapters = _check_adapters(layout, KOHYA_PAIRS if kohya else DIFFUSERS_PAIRS, rank, kohya)
+    if kohya:
+        return
+    trained = sorted(
+        shape
+        for name, shape in (checkpoint or {}).items()
+        if name.startswith("lora/") and (".lora_A." in name or ".lora_B." in name)
+    )
+    if trained and sorted(adapters) != trained:
+        raise BadFormat(
+            f"its {len(adapters)} adapter tensors are not the {len(trained)} the job's"
+            " checkpoints trained (names and shapes)"
+        )
+
+
+def _check_adapters(
+    layout: Layout, pairs: tuple[tuple[str, str], ...], rank: int, kohya: bool
+) -> list[tuple[int, ...]]:
+    """Every tensor is one of an adapter's pair (`<module><down>` of shape (r, in) and
+    `<module><up>` of shape (out, r), r the rank; in a kohya file a multiple of it, as its
+    fused q/k/v adapters are, with the adapter's scalar `<module>.alpha`) or a DoRA magnitude;
+    returns the pairs' shapes."""
+    shapes: list[tuple[int, ...]] = []
+    for name, shape in layout.items():
+        for down, up in pairs:
+            if name.endswith(down):
+                module = name.removesuffix(down)
+                other = layout.get(module + up)
+                if other is None:
+                    raise BadFormat(f"tensor {name[:200]!r} has no {up[1:]!r} beside it")
+                inner = shape[0] if len(shape) == 2 else 0
+                fits = inner == rank or (kohya and inner > 0 and inner % rank == 0)
+                if len(other) != 2 or other[1] != inner or not fits:
+                    raise BadFormat(
+                        f"adapter {module[:200]!r}: shapes {list(shape)} and {list(other)} are"
+                        f" no LoRA of rank {rank}"
+                    )
+                if kohya and layout.get(module + ".alpha") != ():
+                    raise BadFormat(f"adapter {module[:200]!r} has no scalar alpha beside it")
+                shapes += [shape, other]
+                break
+            if name.endswith(up):
+                if name.removesuffix(up) + down not in layout:
+                    raise BadFormat(f"tensor {name[:200]!r} has no {down[1:]!r} beside it")
+                break
+        else:
+            alpha = kohya and name.endswith(".alpha")
+            if alpha and not any(name.removesuffix(".alpha") + d in layout for d, _ in pairs):
+                raise BadFormat(f"tensor {name[:200]!r} is no adapter's alpha")
+            if not alpha and "lora_magnitude_vector" not in name:
+                raise BadFormat(f"not a LoRA file: tensor {name[:200]!r}")
+    if not shapes:
+        raise BadFormat("a LoRA file without adapters")
+    return shapes
 
 
 def layout_difference(announced: Layout, earlier: Layout) -> str | None:

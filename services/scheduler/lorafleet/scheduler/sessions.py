@@ -113,6 +113,8 @@ class TrainingLease(_Lease):
     output_format: str = "diffusers"
     # The job's max_train_steps: no heartbeat of a training lease reports a later step.
     max_train_steps: int = 0
+    # The job's lora_rank: its result files hold adapters of that rank (formats.py).
+    lora_rank: int = 0
     # The tensors (name -> shape) every checkpoint of the job must have: the earlier verified
     # checkpoints', learnt at this lease's first (formats.py).
     checkpoint_layout: Mapping[str, tuple[int, ...]] | None = None
@@ -130,6 +132,7 @@ class TrainingLease(_Lease):
             traceparent=traceparent,
             output_format=job.spec.output_format,
             max_train_steps=job.spec.max_train_steps,
+            lora_rank=job.spec.lora_rank,
         )
 
 

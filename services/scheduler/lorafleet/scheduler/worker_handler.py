@@ -18,7 +18,7 @@ import structlog
 from opentelemetry import trace
 
 from lorafleet.core.errors import AlreadyExists, InvalidArgument, StaleLease, Unauthenticated
-from lorafleet.core.model import Checkpoint, FailureClass, Job, JobState, LeaseRef
+from lorafleet.core.model import Checkpoint, FailureClass, Job, JobResult, JobState, LeaseRef
 from lorafleet.core.serde import (
     CheckpointReport,
     ClassImagesReport,
@@ -50,6 +50,7 @@ from lorafleet.scheduler.dispatcher import (
 )
 from lorafleet.scheduler.formats import (
     BadFormat,
+    Layout,
     check_lora_file,
     checkpoint_layout,
     layout_difference,
@@ -471,10 +472,10 @@ class WorkerHandler:
             context=trace_context(lease.traceparent),
             attributes=lease_attributes(lease, session, step=msg.step),
         ) as span:
-            for stored in result.files.values():
+            for file_format, stored in result.files.items():
                 if not await self._stored_as_announced(
                     session, ref, stored.key, stored.size_bytes, stored.sha256
-                ) or not await self._result_in_format(session, ref, stored.key, stored.size_bytes):
+                ) or not await self._result_in_format(session, lease, ref, file_format, stored):
                     span.set_attribute("lorafleet.refused", True)
                     return
             # Ended before the ledger call: its NOTIFY must not revoke what the worker just
@@ -636,18 +637,7 @@ class WorkerHandler:
             layout = await checkpoint_layout(
                 self._storage, checkpoint.key, size_bytes=checkpoint.size_bytes
             )
-            earlier = lease.checkpoint_layout
-            if earlier is None:  # this lease's checkpoints from before a reconnect
-                for recorded in await self._ledger.live_checkpoints(lease.job_id):
-                    if recorded.epoch != lease.epoch:
-                        continue
-                    try:
-                        earlier = await checkpoint_layout(
-                            self._storage, recorded.key, size_bytes=recorded.size_bytes
-                        )
-                        break
-                    except BadFormat:
-                        continue  # deleted meanwhile (retention): an older one will do
+            earlier = await self._checkpoint_layout(lease)
             if earlier is not None and (difference := layout_difference(layout, earlier)):
                 raise BadFormat(difference)
         except BadFormat as exc:
@@ -656,14 +646,43 @@ class WorkerHandler:
         lease.checkpoint_layout = earlier if earlier is not None else layout
         return True
 
+    async def _checkpoint_layout(self, lease: TrainingLease) -> Layout | None:
+        """The tensors of the lease's verified checkpoints: learnt at its first on this
+        stream, else read from its newest one still stored (from before a reconnect)."""
+        if lease.checkpoint_layout is None:
+            for recorded in await self._ledger.live_checkpoints(lease.job_id):
+                if recorded.epoch != lease.epoch:
+                    continue
+                try:
+                    lease.checkpoint_layout = await checkpoint_layout(
+                        self._storage, recorded.key, size_bytes=recorded.size_bytes
+                    )
+                    break
+                except BadFormat:
+                    continue  # deleted meanwhile (retention): an older one will do
+        return lease.checkpoint_layout
+
     async def _result_in_format(
-        self, session: WorkerSession, ref: LeaseRef, key: str, size_bytes: int
+        self,
+        session: WorkerSession,
+        lease: TrainingLease,
+        ref: LeaseRef,
+        file_format: str,
+        stored: JobResult,
     ) -> bool:
-        """A result file the store verified is recorded only if it is a LoRA safetensors file."""
+        """A result file the store verified is recorded only if it is a LoRA file of the job
+        (formats.py, `check_lora_file`)."""
         try:
-            await check_lora_file(self._storage, key, size_bytes=size_bytes)
+            await check_lora_file(
+                self._storage,
+                stored.key,
+                size_bytes=stored.size_bytes,
+                file_format=file_format,
+                rank=lease.lora_rank,
+                checkpoint=await self._checkpoint_layout(lease),
+            )
         except BadFormat as exc:
-            self._refuse_format(session, ref, key, str(exc))
+            self._refuse_format(session, ref, stored.key, str(exc))
             return False
         return True
 
