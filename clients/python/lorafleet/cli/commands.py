@@ -41,6 +41,7 @@ from lorafleet.cli.report import format_report, report_command, report_to_json
 from lorafleet.cli.samples import SAMPLES_HELP, add_samples_arguments, samples_command
 from lorafleet.cli.spec_flags import (
     add_spec_flags,
+    given_spec_flags,
     load_document,
     load_spec_file,
     parse_labels,
@@ -85,9 +86,14 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
     # The images each spec uploads, read once the specs passed the scheduler's checks.
     readers: list[tuple[str, Callable[[], Awaitable[list[TrainingFile]]]]] = []
     if args.batch:
+        refuse_flags_beside_batch(args)
         documents = load_document(Path(args.batch), "batch")
         if not isinstance(documents, list):
             raise InvalidArgument("batch", "the file must hold a list of job specs")
+        if args.watch and len(documents) != 1:
+            raise InvalidArgument(
+                "batch", f"--watch follows one job; the file holds {len(documents)}"
+            )
         specs = []
         for i, document in enumerate(documents):
             if not isinstance(document, dict):
@@ -172,6 +178,39 @@ async def submit(client: AsyncClient, args: argparse.Namespace) -> int:
     if args.watch and len(jobs) == 1:
         return await watch(client, jobs[0].job_id, as_json=args.json)
     return 0
+
+
+# submit's flags that say what one job is or uploads: a batch file's jobs say it themselves.
+JOB_INPUT_FLAGS = (
+    "--spec",
+    "--images",
+    "--images-zip",
+    "--images-url",
+    "--class-images",
+    "--prefix",
+)
+
+
+def refuse_flags_beside_batch(args: argparse.Namespace) -> None:
+    """A job's flags beside --batch were silently dropped (the jobs took the file's fields and
+    no image was uploaded): refused, naming them, as is --idempotency-key (SubmitJobs takes
+    none). The connection flags, --json, --estimate and --watch (of a one-job batch) apply."""
+    given = [
+        flag
+        for flag in JOB_INPUT_FLAGS
+        if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None
+    ]
+    given += given_spec_flags(args)
+    if given:
+        raise InvalidArgument(
+            "batch",
+            f"--batch takes each job's fields from its file: give {', '.join(given)} there"
+            " as fields of the jobs, not as flags",
+        )
+    if args.idempotency_key is not None:
+        raise InvalidArgument(
+            "batch", "--batch submits all or nothing and takes no --idempotency-key"
+        )
 
 
 async def read_class_images(folder: str) -> list[TrainingFile]:

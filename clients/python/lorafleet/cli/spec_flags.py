@@ -162,6 +162,19 @@ def load_spec_file(path: Path) -> dict[str, Any]:
     return document
 
 
+def _dest(f: SpecField) -> str:
+    """Where argparse keeps a field's flag: `spec_<name>`, but for the fields with flags of
+    their own (`--label` is `label`)."""
+    if f.name in ("labels", "webhook_url", "webhook_events"):
+        return f.flag.removeprefix("--").replace("-", "_")
+    return f"spec_{f.name}"
+
+
+def given_spec_flags(args: argparse.Namespace) -> list[str]:
+    """The spec flags given on the command line (`--max-train-steps`), in the fields' order."""
+    return [f.flag for f in SPEC_FIELDS if getattr(args, _dest(f)) not in (None, [])]
+
+
 def spec_from_args(args: argparse.Namespace, base: Mapping[str, Any] | None) -> dict[str, Any]:
     spec = dict(base or {})
     for key, value in vars(args).items():
