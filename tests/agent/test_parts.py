@@ -390,3 +390,57 @@ def test_a_worker_that_cannot_load_its_model_fails_its_probe(
         weights.unlink()
     broken = probe(base.with_changes(model_path=str(pickled)))
     assert not broken.passed and "unet holds no safetensors weights" in broken.detail
+
+
+def test_bake_and_artifacts_refusals_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_model_dir: Path
+) -> None:
+    """The bake needs a model and a readable spec list; a named artifacts file must exist.
+    (The bake itself, and the load's cache hits: tests/worker/test_compile_cache.py.)"""
+    out = str(tmp_path / "artifacts.bin")
+    spec = tmp_path / "jobs.json"
+    for argv, said in (
+        (["--bake-compile-artifacts", out], "needs --model-path"),
+        (
+            ["--bake-compile-artifacts", out, "--model-path", str(tmp_path)],
+            f"--model-path {tmp_path}",
+        ),
+        (
+            [
+                "--bake-compile-artifacts",
+                out,
+                "--model-path",
+                str(tiny_model_dir),
+                "--bake-spec",
+                str(spec),
+            ],
+            f"--bake-spec {spec}",
+        ),
+    ):
+        assert main([*argv, "--allow-cpu"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err
+    spec.write_text('[{"resolution": "big"}]')
+    assert (
+        main(
+            [
+                "--bake-compile-artifacts",
+                out,
+                "--model-path",
+                str(tiny_model_dir),
+                "--bake-spec",
+                str(spec),
+                "--allow-cpu",
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "resolution" in err and "[0]" in err, err
+    missing = tmp_path / "none.bin"
+    assert (
+        main(["--worker-token", "x", "--compile-artifacts-path", str(missing), "--allow-cpu"]) == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "compile_artifacts_path" in err[0] and str(missing) in err[0], err
+    assert not (tmp_path / "artifacts.bin").exists()

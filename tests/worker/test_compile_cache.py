@@ -1,9 +1,9 @@
-"""Portable compile artifacts (compiling.py): the operator bakes them in one process; a fresh
-worker process with an empty cache directory loads them, and its compile of the same job is a
-cache hit (AOTAutograd's and inductor's: nothing lowered again) in a fraction of the cold
-compile's time. On a CPU the C++ compiler still builds the kernels again (the artifacts carry
-their source; on CUDA they carry Triton's built kernels, inductor's
-`bundle_triton_into_fx_graph_cache`), so the time compared is the process's own."""
+"""Portable compile artifacts (compiling.py): the operator bakes them in one process
+(`lorafleet worker --bake-compile-artifacts`); a fresh worker process with an empty cache
+directory loads them, and its compile of the same job is a cache hit (AOTAutograd's and
+inductor's: nothing lowered again). On a CPU the C++ compiler still builds the kernels again
+(the artifacts carry their source; on CUDA they carry Triton's built kernels, inductor's
+`bundle_triton_into_fx_graph_cache`)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import torch
 
+from lorafleet.worker.main import main as worker_main
 from lorafleet.worker.training import Trainer
-from lorafleet.worker.training.compiling import bake_compile_artifacts, load_compile_artifacts
+from lorafleet.worker.training.compiling import load_compile_artifacts
 from tests.support.training import instance_images, make_config, tiny_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -51,8 +52,14 @@ def child(role: str, model: str, artifacts: str, cache: str) -> dict[str, Any]:
     spec = tiny_spec(max_train_steps=1)
     started, cpu = time.perf_counter(), _cpu_seconds()
     if role == "bake":
+        # The operator's command, as DEPLOYING.md runs it, with the tiny job's spec.
+        spec_file = Path(cache) / "bake-spec.json"
+        spec_file.parent.mkdir(parents=True, exist_ok=True)
+        spec_file.write_text(json.dumps([spec.to_dict()]))
         device = make_config(Path(model), spec).device  # the test device
-        bake_compile_artifacts(Path(model), [spec], Path(artifacts), device=device)
+        argv = ["--bake-compile-artifacts", artifacts, "--bake-spec", str(spec_file)]
+        argv += ["--model-path", model, "--device", str(device), "--allow-cpu"]
+        assert worker_main(argv) == 0
     else:
         load_compile_artifacts(Path(artifacts), Path(cache))
         config = make_config(Path(model), spec, compile_model=True, compile_cache_dir=cache)
@@ -96,10 +103,9 @@ def test_baked_artifacts_make_a_fresh_process_compile_from_cache(
     assert artifacts.stat().st_size > 0
     assert baked["misses"] > 0  # a cold compile in an empty cache
     loaded = _run_child("load", tiny_model_dir, artifacts, tmp_path / "node-cache")
+    # Nothing lowered again (measured on 2 shared cores: 4.5 against 10.2 CPU seconds, the C++
+    # compiler 18 in each; seconds are the benchmark's to show, not this test's).
     assert loaded["hits"] > 0 and loaded["misses"] == 0, loaded
-    # Measured on 2 shared cores: 4.5 against 10.2 CPU seconds (the C++ compiler: 18 each), the
-    # model's load and one step in both.
-    assert loaded["cpu_s"] < 0.6 * baked["cpu_s"], (baked, loaded)
 
 
 def test_a_file_that_holds_no_artifacts_fails_the_load(

@@ -170,7 +170,8 @@ class WorkerConfig(ServiceSettings):
     )
     compile_model: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="torch.compile the training step (the UNet; with trained text encoders the"
+        description="torch.compile the training step (the denoiser's repeated blocks; with trained"
+        " text encoders the"
         " forward from the prompt to the loss): on, off, or auto: when the job's remaining steps"
         " pay for the compile, by this node's own measurements per job shape (true/false: on/off)",
     )

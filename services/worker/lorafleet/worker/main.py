@@ -21,11 +21,14 @@ import signal
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
 import structlog
 
-from lorafleet.core.errors import OneLineErrorParser
+from lorafleet.core.errors import InvalidArgument, OneLineErrorParser
 from lorafleet.core.settings import ConfigError, add_flags, env_names, load
+from lorafleet.core.spec import JobSpec
 from lorafleet.core.telemetry import MetricsServer, configure_logging, configure_tracing
 from lorafleet.worker.agent import Agent, AgentError, State
 from lorafleet.worker.config import WorkerConfig
@@ -33,6 +36,9 @@ from lorafleet.worker.qualify import probe
 from lorafleet.worker.simulated import SimulatedTrainer, simulated_trainer_factory
 from lorafleet.worker.spot_notice import with_ec2_identity
 from lorafleet.worker.training import TrainingConfig
+from lorafleet.worker.training.base_model import detect_family
+from lorafleet.worker.training.compiling import bake_compile_artifacts, load_compile_artifacts
+from lorafleet.worker.training.failures import TrainingFailure
 
 log = structlog.get_logger(__name__)
 
@@ -57,17 +63,73 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the qualification probe, print it as JSON and exit (0 passed, 1 failed)",
     )
+    add(
+        "--bake-compile-artifacts",
+        metavar="FILE",
+        type=Path,
+        help="compile one step of each job of --bake-spec on --model-path, write torch's compile"
+        " artifacts to FILE (for the image's LORAFLEET_COMPILE_ARTIFACTS_PATH) and exit; run it"
+        " on the GPU model and image the workers use (docs/DEPLOYING.md)",
+    )
+    add(
+        "--bake-spec",
+        metavar="FILE",
+        type=Path,
+        help="with --bake-compile-artifacts: a JSON list of the jobs' spec fields whose shapes to"
+        " bake (resolution, lora_rank, gradient_checkpointing, ...); default: one job of the"
+        " model's family with the spec's defaults",
+    )
     return parser
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> WorkerConfig:
     """The environment, the flags on top; raises `ConfigError`."""
     token: str | None = None
-    if args.probe_only and args.worker_token is None:
+    if (args.probe_only or args.bake_compile_artifacts) and args.worker_token is None:
         variables = env_names("worker_token", WorkerConfig.model_fields["worker_token"])
         if not any(env.get(name, "").strip() for name in variables):
-            token = "unused-by-the-probe"
+            token = "unused-by-the-probe"  # the probe and the bake talk to no scheduler
     return load(WorkerConfig, args, env=env, worker_token=token)
+
+
+def bake_specs(config: WorkerConfig, spec_file: Path | None) -> list[JobSpec]:
+    """The jobs `--bake-compile-artifacts` compiles: `spec_file`'s (a JSON list of spec
+    fields), else one job of the model's family with the spec's defaults; each on
+    `--model-path`. Raises `ConfigError` naming what is wrong."""
+    if config.model_path is None:
+        raise ConfigError("--bake-compile-artifacts needs --model-path (the model to compile)")
+    probe_spec = JobSpec(instance_prompt="x", instance_data_prefix="x", max_train_steps=1)
+    try:
+        family = detect_family(
+            TrainingConfig(spec=probe_spec, model_path=config.model_path, local_files_only=True)
+        ).name
+    except (OSError, TrainingFailure) as exc:
+        raise ConfigError(f"--model-path {config.model_path}: {exc}") from None
+    documents: Any = [{}]
+    if spec_file is not None:
+        try:
+            documents = json.loads(spec_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--bake-spec {spec_file}: {exc}") from None
+        if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+            raise ConfigError(f"--bake-spec {spec_file}: must hold a list of spec mappings")
+    specs = []
+    for i, fields in enumerate(documents):
+        try:
+            specs.append(
+                JobSpec(
+                    **{
+                        "instance_prompt": "a photo of sks dog",
+                        "instance_data_prefix": "bake",
+                        "max_train_steps": 1,  # one compiled step is what a bake runs
+                        "model_family": family,
+                        **fields,
+                    }
+                )
+            )
+        except (InvalidArgument, TypeError) as exc:
+            raise ConfigError(f"--bake-spec {spec_file}[{i}]: {exc}") from None
+    return specs
 
 
 def simulated_factory(
@@ -205,6 +267,29 @@ def main(argv: list[str] | None = None) -> int:
         result = probe(config)
         print(json.dumps(asdict(result), default=dict, indent=2))
         return 0 if result.passed else 1
+    if args.bake_compile_artifacts is not None:
+        try:
+            specs = bake_specs(config, args.bake_spec)
+        except ConfigError as exc:
+            print(f"lorafleet worker: error: {exc}", file=sys.stderr)
+            return 2
+        assert config.model_path is not None  # bake_specs refused it otherwise
+        written = bake_compile_artifacts(
+            Path(config.model_path), specs, args.bake_compile_artifacts, device=config.device
+        )
+        print(
+            f"{written} bytes of compile artifacts for {len(specs)} job shape(s) written to"
+            f" {args.bake_compile_artifacts}"
+        )
+        return 0
+    if config.compile_artifacts_path is not None:
+        # The operator's baked file, before any lease compiles: a missing or unreadable one
+        # fails the start (it was named on purpose).
+        try:
+            load_compile_artifacts(config.compile_artifacts_path, config.compile_cache_path)
+        except (OSError, ValueError) as exc:
+            print(f"lorafleet worker: error: compile_artifacts_path: {exc}", file=sys.stderr)
+            return 2
     # A training thread still inside a step when the grace period ran out does not hold the
     # exit: the agent's training thread is a daemon (training_thread.py).
     return asyncio.run(serve(config))
