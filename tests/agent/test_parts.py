@@ -435,8 +435,8 @@ def test_bake_and_artifacts_refusals_are_one_line(
         )
         == 2
     )
-    err = capsys.readouterr().err
-    assert "resolution" in err and "[0]" in err, err
+    said = capsys.readouterr().err
+    assert "resolution" in said and "[0]" in said, said
     missing = tmp_path / "none.bin"
     assert (
         main(["--worker-token", "x", "--compile-artifacts-path", str(missing), "--allow-cpu"]) == 2
