@@ -314,7 +314,7 @@ async def test_images_url_is_fetched_only_for_a_spec_the_fleet_accepts(
         "40000",
     )
     assert "spec.min_vram_mb: " in _one_line_error(code, err)
-    code, out, err = await lorafleet(
+    code, _, err = await lorafleet(
         capsys, monkeypatch, fleet, "submit", "--images-url", zip_server, *PROMPT, "--estimate"
     )
     assert code == 0, err

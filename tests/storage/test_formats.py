@@ -92,7 +92,7 @@ A, B = (
     "transformer.blocks.0.attn.to_q.lora_B.weight",
 )
 DOWN, UP = "lora_unet_blocks_0_to_q.lora_down.weight", "lora_unet_blocks_0_to_q.lora_up.weight"
-NOT_THE_JOBS_LORA = {
+NOT_THE_JOBS_LORA: dict[str, tuple[str, dict[str, tuple[str, tuple[int, ...]]]]] = {
     "rank 8 for a job of rank 4": ("diffusers", {A: ("F32", (8, 16)), B: ("F32", (16, 8))}),
     "ranks that disagree": ("diffusers", {A: ("F32", (4, 16)), B: ("F32", (16, 2))}),
     "an A without its B": ("diffusers", {A: ("F32", (4, 16))}),
