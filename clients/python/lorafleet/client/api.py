@@ -58,7 +58,8 @@ from lorafleet.core.serde import (
     spec_from_proto,
     spec_to_proto,
 )
-from lorafleet.core.spec import JobSpec, spec_value
+from lorafleet.core.spec import SPEC_FIELD, JobSpec, spec_value
+from lorafleet.core.spec_checks import check_field
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 
@@ -213,6 +214,20 @@ def build_spec(spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any) -
     for name in ("base_model", "vae_model"):  # and its refusal of a relative local path
         check_model_ref_shape(name, getattr(msg, name))
     return msg
+
+
+def _sample_value(name: str, spec_name: str, value: Any) -> Any:
+    """A RequestSamples value in the type and bounds of the job spec field it stands in for
+    (core/spec.py's, as the scheduler checks it), or InvalidArgument naming the request's field
+    (a proto setter past the wire's integer says only "Value out of range"). Zero, the job's
+    own setting, passes."""
+    try:
+        typed = spec_value(spec_name, value)
+        if typed:
+            check_field(SPEC_FIELD[spec_name], typed, name=name)
+    except InvalidArgument as exc:
+        raise InvalidArgument(name, exc.reason) from None
+    return typed
 
 
 def _enum_number(enum: Any, value: str) -> int | None:
@@ -647,12 +662,18 @@ class AsyncClient(AsyncLifecycle):
             pb.RequestSamplesRequest(
                 job_id=job_id,
                 prompts=list(prompts),
-                steps=list(steps),
-                negative_prompt=negative_prompt,
-                guidance_scale=guidance_scale,
-                inference_steps=inference_steps,
-                num_images=num_images,
-                seed=seed,
+                steps=[_sample_value("steps", "max_train_steps", s) for s in steps],
+                negative_prompt=_sample_value(
+                    "negative_prompt", "validation_negative_prompt", negative_prompt
+                ),
+                guidance_scale=_sample_value(
+                    "guidance_scale", "validation_guidance_scale", guidance_scale
+                ),
+                inference_steps=_sample_value(
+                    "inference_steps", "validation_inference_steps", inference_steps
+                ),
+                num_images=_sample_value("num_images", "num_validation_images", num_images),
+                seed=_sample_value("seed", "seed", seed),
             ),
         )
         return list(response.steps)

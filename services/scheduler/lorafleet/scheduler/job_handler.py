@@ -27,8 +27,13 @@ from lorafleet.core.model import (
     upload_key,
 )
 from lorafleet.core.model_refs import check_model_ref_shape
-from lorafleet.core.spec import JobShape, JobSpec
-from lorafleet.core.spec_checks import FLUX2_NEGATIVE_PROMPT, check_path, check_sample_settings
+from lorafleet.core.spec import SPEC_FIELD, JobShape, JobSpec
+from lorafleet.core.spec_checks import (
+    FLUX2_NEGATIVE_PROMPT,
+    check_field,
+    check_path,
+    check_sample_settings,
+)
 from lorafleet.ledger.ledger import Ledger, NewJob, ShapePace, WebhookDeliveryRecord
 from lorafleet.scheduler.notifications import Notifications
 from lorafleet.scheduler.paces import Pace
@@ -439,10 +444,9 @@ class JobHandler:
         seed: int,
     ) -> builtins.list[int]:
         """Sample tasks on request for a finished job: against its result or a kept
-        checkpoint. Zero values take the job's validation settings."""
+        checkpoint. Zero values take the job's validation settings; each value has the bounds
+        of its job spec field (a step those of max_train_steps), checked in any job state."""
         job = await self.get(owner, job_id)
-        if job.state is not JobState.SUCCEEDED or job.result is None:
-            raise FailedPrecondition(f"job {job_id} has no result yet (state {job.state.value})")
         spec = job.spec
         if negative_prompt and spec.family == "flux2":
             raise InvalidArgument("negative_prompt", FLUX2_NEGATIVE_PROMPT)
@@ -465,8 +469,13 @@ class JobHandler:
             num_images=settings.images_per_prompt,
             prefix="",
         )
+        check_field(SPEC_FIELD["seed"], settings.seed, name="seed")
         if len(steps) > 64:
             raise InvalidArgument("steps", "at most 64 steps")
+        for step in steps:
+            check_field(SPEC_FIELD["max_train_steps"], step, name="steps")
+        if job.state is not JobState.SUCCEEDED or job.result is None:
+            raise FailedPrecondition(f"job {job_id} has no result yet (state {job.state.value})")
         wanted = sorted(set(steps)) or [job.progress.step]
         queued = await self._ledger.request_samples(job.job_id, owner, wanted, settings)
         missing = sorted(set(wanted) - set(queued))
