@@ -126,9 +126,11 @@ def test_every_field_survives_a_round_trip() -> None:
         mode_scale=1.0,
         model_family="flux2",
         train_text_encoder=False,
-        # klein's Qwen3 never trains; its pipeline takes no negative prompt.
+        # klein's Qwen3 never trains; its pipeline takes no negative prompt; its transformer
+        # embeds no guidance.
         text_encoder_learning_rate=SPEC_FIELD["text_encoder_learning_rate"].default,
         validation_negative_prompt="",
+        guidance_scale=SPEC_FIELD["guidance_scale"].default,
     )
     assert spec_from_proto(spec_to_proto(moded)) == moded
 

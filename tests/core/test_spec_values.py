@@ -154,3 +154,12 @@ def test_flux2_refuses_a_text_encoder_learning_rate() -> None:
     refused = _refused(**FLUX2, text_encoder_learning_rate=1e-4)
     assert refused.field == "text_encoder_learning_rate" and "Qwen3" in str(refused)
     _spec(**FLUX, text_encoder_learning_rate=1e-4)  # FLUX.1 may train CLIP
+
+
+def test_flux2_refuses_a_guidance_scale_at_submit() -> None:
+    """klein embeds no guidance: a guidance_scale was refused only by the worker, once the job
+    was uploaded and the model loaded (an outside attack); every flux2 model lorafleet trains
+    is a klein, so submit refuses it. FLUX.1 takes one."""
+    refused = _refused(**FLUX2, guidance_scale=3.5)
+    assert refused.field == "guidance_scale" and "no guidance embedding" in str(refused)
+    _spec(**FLUX, guidance_scale=3.5)

@@ -195,6 +195,13 @@ def _check_family(spec: JobSpec) -> None:
         if getattr(spec, name) != SPEC_FIELD[name].default:
             raise InvalidArgument(name, f"means nothing for the {family} family: {reason}")
     if family == "flux2":
+        if spec.guidance_scale != SPEC_FIELD["guidance_scale"].default:
+            # Every flux2 model lorafleet trains is a klein (FLUX.2 [dev], which embeds guidance,
+            # is refused): refused here, not on the worker once it loaded the model.
+            raise InvalidArgument(
+                "guidance_scale",
+                "FLUX.2 [klein]'s transformer has no guidance embedding: leave it 0",
+            )
         for name in ("train_text_encoder", "text_encoder_learning_rate"):
             if getattr(spec, name) != SPEC_FIELD[name].default:
                 raise InvalidArgument(
