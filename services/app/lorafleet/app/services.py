@@ -276,12 +276,15 @@ async def run_nodes(args: argparse.Namespace) -> int:
     if not nodes:
         print("no machines seen yet", file=sys.stderr)
         return 0
+    # GPU, VRAM and the probe are what the worker says; IDENTITY, the provider that vouched
+    # for its machine id (docs/DESIGN.md, Identities), says whether anything backs that.
     rows = [
         [
             "MACHINE",
             "INSTANCE",
             "GPU",
             "VRAM",
+            "IDENTITY",
             "QUALIFIED",
             "FIRST SEEN",
             "LAST SEEN",
@@ -301,6 +304,7 @@ async def run_nodes(args: argparse.Namespace) -> int:
                 n.provider_instance_id or "-",
                 n.gpu_model or "-",
                 f"{n.vram_mb // 1024} GiB" if n.vram_mb else "-",
+                n.identity_provider or "unverified",
                 qualified,
                 _when(n.first_seen_at),
                 _when(n.last_seen_at),
