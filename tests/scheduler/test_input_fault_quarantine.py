@@ -198,7 +198,11 @@ async def test_a_job_waiting_on_quarantined_machines_says_so(strict: Ledger) -> 
     first = await _fail_input(strict, "only")
     assert first is not None
     job = await strict.get_job(untouched.job_id, "alice")
-    assert job is not None and job.state is JobState.QUEUED and job.waiting_reason is None
+    assert job is not None and job.state is JobState.QUEUED
+    assert job.waiting_reason == (
+        "waiting for one of the 1 connected machines that can run it to be free (jobs of"
+        " higher priority, or submitted earlier, go first)"
+    )
     assert await _fail_input(strict, "only") is not None
     job = await strict.get_job(untouched.job_id, "alice")
     assert job is not None and job.waiting_reason is not None
@@ -222,4 +226,30 @@ async def test_a_job_waiting_on_quarantined_machines_says_so(strict: Ledger) -> 
     assert "quarantined" in job.waiting_reason
     await _connected(strict, "fresh")
     job = await strict.get_job(untouched.job_id, "alice")
-    assert job is not None and job.waiting_reason is None
+    assert job is not None and job.waiting_reason is not None
+    assert "quarantined" not in job.waiting_reason
+    assert "one of the 1 connected machines that can run it" in job.waiting_reason
+
+
+async def test_a_job_no_connected_machine_can_run_says_so(strict: Ledger) -> None:
+    """A job that never started said nothing (an outside attack: `get` showed QUEUED and no
+    reason): with no machine connected, or none of its family or memory, it says what it
+    waits for."""
+    job = (await strict.insert_jobs("alice", [new_job(min_vram_mb=20_000)]))[0]
+    said = await strict.get_job(job.job_id, "alice")
+    assert said is not None and said.waiting_reason == (
+        "no connected machine can run it (qualified, serving the sdxl family, with 20000 MiB"
+        " of GPU memory, not banned from it); waiting for one to connect"
+    )
+    await _connected(strict, "flux-only", families=("flux",))
+    said = await strict.get_job(job.job_id, "alice")
+    assert said is not None and said.waiting_reason is not None
+    assert said.waiting_reason.startswith("no connected machine can run it")
+    await _connected(strict, "sdxl")
+    said = await strict.get_job(job.job_id, "alice")
+    assert said is not None and said.waiting_reason is not None
+    assert said.waiting_reason.startswith("waiting for one of the 1 connected machines")
+    granted = await strict.claim_job("sdxl", 10**7, TTL_S, secret_sha256=SECRET)
+    assert granted is not None and granted.job_id == job.job_id
+    running = await strict.get_job(job.job_id, "alice")
+    assert running is not None and running.waiting_reason is None

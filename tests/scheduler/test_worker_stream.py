@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import uuid
 
 import aiohttp
@@ -295,7 +296,12 @@ async def test_a_queued_job_says_why_it_waits_until_it_runs_again(fleet: Fleet) 
     waiting_reason says what ended its newest attempt and what it waits for; it is gone once
     a machine runs the job, and comes back with the next ending (a drain), in list as in get."""
     job = await fleet.alice.submit(max_failures=5)
-    assert (await fleet.alice.get(job.job_id)).waiting_reason == ""  # no attempt yet
+    # No attempt, no machine; the need is the default model's estimate.
+    no_machine = re.compile(
+        r"no connected machine can run it \(qualified, serving the sdxl family, with \d+ MiB of"
+        r" GPU memory, not banned from it\); waiting for one to connect"
+    )
+    assert no_machine.fullmatch((await fleet.alice.get(job.job_id)).waiting_reason)
     async with connect_worker(fleet.channel, fleet.token, "a") as worker:
         await in_good_standing(fleet.scheduler.database_url, "a")
         granted = await worker.ready_for_lease()
@@ -308,10 +314,12 @@ async def test_a_queued_job_says_why_it_waits_until_it_runs_again(fleet: Fleet) 
         )
         queued = await fleet.alice.wait_for(job.job_id, lambda j: j.state == pb.JOB_STATE_QUEUED)
     assert queued.error == "" and queued.failures == 0
-    assert queued.waiting_reason == (
+    first, machines = queued.waiting_reason.split("; no connected", 1)
+    assert first == (
         "attempt 1 failed (input fault: x.png: unreadable); waiting for a second machine to"
         " confirm it before the job fails"
     )
+    assert no_machine.fullmatch("no connected" + machines)  # a is banned from it
     async with connect_worker(fleet.channel, fleet.token, "b") as worker:
         granted = await worker.ready_for_lease()
         running = await fleet.alice.get(job.job_id)
@@ -324,7 +332,10 @@ async def test_a_queued_job_says_why_it_waits_until_it_runs_again(fleet: Fleet) 
     (listed,) = await fleet.scheduler.ledger.list_jobs(
         "alice", states=[], labels={}, after=None, limit=10
     )
-    assert listed.waiting_reason == drained.waiting_reason
+    # b has gone since: no connected machine could resume it now.
+    resumable, machines = listed.waiting_reason.split("; no connected", 1)
+    assert resumable == drained.waiting_reason
+    assert no_machine.fullmatch("no connected" + machines)
     canceled = await fleet.alice.cancel(job.job_id)
     assert canceled.state == pb.JOB_STATE_CANCELED
     assert (await fleet.alice.get(job.job_id)).waiting_reason == ""  # final: waits for nothing

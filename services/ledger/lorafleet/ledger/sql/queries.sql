@@ -162,37 +162,9 @@ WHERE j.job_id = k.job_id
 SELECT * FROM jobs WHERE owner = $1 AND idempotency_key = ANY($2::text[]);
 
 -- name: get_job
--- $1 job, $2 owner; $3, $4, $5 the quarantine's bounds (below).
+-- $1 job, $2 owner; $3, $4, $5 the quarantine's bounds (lorafleet_waiting_reason).
 SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds,
-    -- Why a QUEUED job waits (Job.waiting_reason): what ended its newest attempt, unless a
-    -- newer grant is running it, and whether every connected machine that could run it is
-    -- quarantined ($3 node faults, $4 window s, $5 empty leases: claim_job's $6, $7, $8).
-    -- Derived when read, so nothing has to clear it.
-    CASE WHEN j.state = 'QUEUED' THEN nullif(concat_ws('; ', (
-        SELECT CASE e.kind
-            WHEN 'ATTEMPT_FAILED' THEN
-                'attempt ' || e.epoch || ' failed (' || lower(coalesce(e.failure_class, 'node'))
-                || ' fault' || coalesce(': ' || nullif(e.message, ''), '') || '); '
-                || CASE WHEN e.failure_class = 'INPUT'
-                        THEN 'waiting for a second machine to confirm it before the job fails'
-                        ELSE 'waiting for another machine' END
-            WHEN 'DRAINED' THEN
-                'attempt ' || e.epoch || ' drained' || coalesce(' (' || nullif(e.message, '') || ')', '')
-                || '; waiting for a machine to resume it'
-            WHEN 'LEASE_EXPIRED' THEN
-                'attempt ' || e.epoch || ' expired: its machine went silent;'
-                || ' waiting for a machine to resume it'
-        END
-        FROM job_events e
-        WHERE e.job_id = j.job_id
-          AND e.kind IN ('LEASE_GRANTED', 'ATTEMPT_FAILED', 'DRAINED', 'LEASE_EXPIRED')
-        ORDER BY e.event_id DESC LIMIT 1
-    ),
-    CASE WHEN lorafleet_waits_on_quarantine(j.job_id, j.min_vram_mb, $3::int, $4::float8, $5::int)
-         THEN 'every connected machine that could run it is quarantined (too many node'
-              || ' faults or leases ended without work within the quarantine window);'
-              || ' waiting for the window to pass or for another machine' END
-    ), '') END AS waiting_reason
+    lorafleet_waiting_reason(j.job_id, $3::int, $4::float8, $5::int) AS waiting_reason
 FROM jobs j WHERE j.job_id = $1 AND j.owner = $2;
 
 -- name: get_job_any_owner
@@ -204,32 +176,7 @@ SELECT * FROM jobs WHERE job_id = $1;
 -- page: keyset pagination, newest first), $6 page size; $7, $8 and $9 the quarantine (as
 -- get_job's $3, $4, $5).
 SELECT j.*, lorafleet_gpu_seconds(j.job_id) AS gpu_seconds,
-    -- As get_job's.
-    CASE WHEN j.state = 'QUEUED' THEN nullif(concat_ws('; ', (
-        SELECT CASE e.kind
-            WHEN 'ATTEMPT_FAILED' THEN
-                'attempt ' || e.epoch || ' failed (' || lower(coalesce(e.failure_class, 'node'))
-                || ' fault' || coalesce(': ' || nullif(e.message, ''), '') || '); '
-                || CASE WHEN e.failure_class = 'INPUT'
-                        THEN 'waiting for a second machine to confirm it before the job fails'
-                        ELSE 'waiting for another machine' END
-            WHEN 'DRAINED' THEN
-                'attempt ' || e.epoch || ' drained' || coalesce(' (' || nullif(e.message, '') || ')', '')
-                || '; waiting for a machine to resume it'
-            WHEN 'LEASE_EXPIRED' THEN
-                'attempt ' || e.epoch || ' expired: its machine went silent;'
-                || ' waiting for a machine to resume it'
-        END
-        FROM job_events e
-        WHERE e.job_id = j.job_id
-          AND e.kind IN ('LEASE_GRANTED', 'ATTEMPT_FAILED', 'DRAINED', 'LEASE_EXPIRED')
-        ORDER BY e.event_id DESC LIMIT 1
-    ),
-    CASE WHEN lorafleet_waits_on_quarantine(j.job_id, j.min_vram_mb, $7::int, $8::float8, $9::int)
-         THEN 'every connected machine that could run it is quarantined (too many node'
-              || ' faults or leases ended without work within the quarantine window);'
-              || ' waiting for the window to pass or for another machine' END
-    ), '') END AS waiting_reason
+    lorafleet_waiting_reason(j.job_id, $7::int, $8::float8, $9::int) AS waiting_reason
 FROM jobs j
 WHERE owner = $1
   AND (cardinality($2::text[]) = 0 OR state = ANY($2::text[]))
