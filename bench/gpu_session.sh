@@ -27,6 +27,16 @@
 # FAMILY_STEPS (default 10) steps a run, a checkpoint at the middle one; FAMILY_TIMEOUT (default
 # 540) seconds for the whole section.
 #
+# What the next lent GPU should run (docs/BENCHMARKS.md, "Model families on a GPU" and "Regional
+# compilation"), two calls of under 10 minutes:
+#   bash bench/gpu_session.sh OUT model compile        # COMPILE_MODES="eager regional" if short
+#   CUDA_LAUNCH_BLOCKING=1 FAMILY_RUNS=flux/flux-dev/none/1 bash bench/gpu_session.sh OUT families
+# The second reruns the FLUX.1-dev bf16 job that crashed lorafleet's first step on an H100
+# (CUBLAS_STATUS_EXECUTION_FAILED, then an illegal memory access, in the backward's recompute
+# of a LoRA projection): with launches synchronous the traceback names the kernel that failed,
+# and bench_trainer.py runs the diffusers script on the same job even when lorafleet's run
+# fails, which tells torch's kernels from lorafleet.
+#
 # Carried beside the tree (ignored by git, named in the call's `carry`): .whl/ the wheels the
 # image lacks or has too old (pip download --no-deps for cp312 manylinux: diffusers, peft,
 # opentelemetry api/sdk/semantic-conventions, importlib-metadata; for nf4 runs bitsandbytes, for
