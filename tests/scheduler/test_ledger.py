@@ -10,6 +10,7 @@ import uuid
 import asyncpg
 import pytest
 
+from lorafleet.core.errors import InvalidArgument
 from lorafleet.core.model import (
     Checkpoint,
     FailureClass,
@@ -61,6 +62,18 @@ async def test_submit_is_idempotent_per_owner(ledger: Ledger) -> None:
     assert again.job_id == first.job_id
     assert other.job_id != first.job_id
     assert await ledger.get_job(first.job_id, "bob") is None
+
+
+async def test_a_reused_idempotency_key_with_another_spec_is_refused(ledger: Ledger) -> None:
+    """A retry sends the same spec; the same key with another (6 steps after 5) silently
+    returned the first job (an outside attack), which hid the second job's loss. Refused, and
+    nothing of the batch is written."""
+    first = (await ledger.insert_jobs("alice", [new_job(key="k2")]))[0]
+    with pytest.raises(InvalidArgument) as refused:
+        await ledger.insert_jobs("alice", [new_job(key="k3"), new_job(key="k2", priority=3)])
+    assert refused.value.field == "idempotency_key" and first.job_id in str(refused.value)
+    queued = await ledger.list_jobs("alice", states=[], labels={}, after=None, limit=10)
+    assert [j.job_id for j in queued] == [first.job_id]
 
 
 async def test_claim_order_requeued_then_priority_then_age(ledger: Ledger) -> None:

@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 
+from lorafleet.core.errors import InvalidArgument
 from lorafleet.core.fit import vram_need_mb
 from lorafleet.core.model import Job, JobState
 from lorafleet.core.spec import JobSpec
@@ -51,6 +52,16 @@ class JobQueries(LedgerBase):
             if reused:
                 for r in await conn.fetch(QUERIES["get_jobs_by_idempotency_key"], owner, reused):
                     by_key[r["idempotency_key"]] = job_from_row(r)
+            for j in jobs:
+                earlier = by_key.get(j.idempotency_key) if j.job_id not in by_id else None
+                if earlier is not None and earlier.spec != j.spec:
+                    # A retry repeats its request; another job under the same key is a mistake
+                    # that returning the first job would hide (the transaction rolls back).
+                    raise InvalidArgument(
+                        "idempotency_key",
+                        f"{j.idempotency_key!r} was used for job {earlier.job_id} with another"
+                        " spec; a retry sends the same spec, a new job needs a new key",
+                    )
         return [by_id.get(j.job_id) or by_key[j.idempotency_key] for j in jobs]
 
     async def fill_warm_keys(self, batch: int = 1000) -> int:
