@@ -333,6 +333,7 @@ async def test_a_queued_job_says_why_it_waits_until_it_runs_again(fleet: Fleet) 
         "alice", states=[], labels={}, after=None, limit=10
     )
     # b has gone since: no connected machine could resume it now.
+    assert listed.waiting_reason is not None
     resumable, machines = listed.waiting_reason.split("; no connected", 1)
     assert resumable == drained.waiting_reason
     assert no_machine.fullmatch("no connected" + machines)
