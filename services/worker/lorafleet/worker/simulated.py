@@ -265,11 +265,11 @@ class SimulatedTrainer:
                 hooks.on_checkpoint(snapshot)
         kohya = None
         if spec.output_format in ("kohya", "both"):
-            kohya = self._result(state, {"lorafleet.format": "kohya"})
+            kohya = self._result(state, spec.lora_rank, kohya=True)
         return Finished(
             step=state.step,
             loss=state.loss,
-            lora_weights=self._result(state),
+            lora_weights=self._result(state, spec.lora_rank),
             kohya_weights=kohya,
         )
 
@@ -322,12 +322,26 @@ class SimulatedTrainer:
         )
 
     @staticmethod
-    def _result(state: _State, extra: dict[str, str] | None = None) -> bytes:
-        """The "LoRA": the weights (named as a LoRA tensor: the scheduler records only LoRA
-        files), with the step and the chain in the metadata."""
+    def _result(state: _State, rank: int, *, kohya: bool = False) -> bytes:
+        """The "LoRA": the weights as one adapter of the job's rank in the file's layout (the
+        scheduler records only LoRA files of the job: formats.py), zero-padded to fill its two
+        matrices, with the step and the chain in the metadata."""
         metadata = {"lorafleet.step": str(state.step), "lorafleet.chain": state.chain.hex()}
-        metadata.update(extra or {})
-        return safetensors_bytes({"lora.weights": state.weights.contiguous()}, metadata)
+        width = max(1, -(-state.weights.numel() // (2 * rank)))
+        flat = torch.zeros(2 * rank * width, dtype=state.weights.dtype)
+        flat[: state.weights.numel()] = state.weights
+        down = flat[: rank * width].reshape(rank, width)
+        up = flat[rank * width :].reshape(width, rank)
+        if kohya:
+            metadata["lorafleet.format"] = "kohya"
+            tensors = {
+                "lora_unet_simulated.lora_down.weight": down,
+                "lora_unet_simulated.lora_up.weight": up,
+                "lora_unet_simulated.alpha": torch.tensor(float(rank)),
+            }
+        else:
+            tensors = {"simulated.lora_A.weight": down, "simulated.lora_B.weight": up}
+        return safetensors_bytes(tensors, metadata)
 
 
 def simulated_trainer_factory(
