@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from lorafleet.core.errors import InvalidArgument
@@ -231,6 +232,18 @@ def _check_prompts(field_name: str, prompts: tuple[str, ...]) -> None:
         _check_text(f"{field_name}[{i}]", prompt, max_chars=MAX_PROMPT_CHARS, required=True)
 
 
+# A sample request's fields (RequestSamples) and the job spec fields whose types and bounds
+# each takes; zero or empty means the job's own setting.
+SAMPLE_REQUEST_FIELDS = {
+    "negative_prompt": "validation_negative_prompt",
+    "guidance_scale": "validation_guidance_scale",
+    "inference_steps": "validation_inference_steps",
+    "num_images": "num_validation_images",
+    "seed": "seed",
+    "steps": "max_train_steps",
+}
+
+
 def check_sample_settings(
     *,
     prompts: tuple[str, ...],
@@ -238,15 +251,22 @@ def check_sample_settings(
     guidance_scale: float,
     inference_steps: int,
     num_images: int,
+    seed: int,
+    steps: Sequence[int],
     prefix: str,
 ) -> None:
-    """Validation images' settings of a request (`prefix` names its fields), with the bounds
-    of the job spec's validation fields."""
+    """A sample request's settings (`prefix` names its fields), each with the bounds of the job
+    spec field it stands in for (`SAMPLE_REQUEST_FIELDS`)."""
     _check_prompts(f"{prefix}prompts", prompts)
-    for spec_name, value, name in (
-        ("validation_negative_prompt", negative_prompt, f"{prefix}negative_prompt"),
-        ("validation_guidance_scale", guidance_scale, f"{prefix}guidance_scale"),
-        ("validation_inference_steps", inference_steps, f"{prefix}inference_steps"),
-        ("num_validation_images", num_images, f"{prefix}num_images"),
+    for name, value in (
+        ("negative_prompt", negative_prompt),
+        ("guidance_scale", guidance_scale),
+        ("inference_steps", inference_steps),
+        ("num_images", num_images),
+        ("seed", seed),
     ):
-        check_field(SPEC_FIELD[spec_name], value, name=name)
+        check_field(SPEC_FIELD[SAMPLE_REQUEST_FIELDS[name]], value, name=f"{prefix}{name}")
+    if len(steps) > 64:
+        raise InvalidArgument(f"{prefix}steps", "at most 64 steps")
+    for step in steps:
+        check_field(SPEC_FIELD[SAMPLE_REQUEST_FIELDS["steps"]], step, name=f"{prefix}steps")

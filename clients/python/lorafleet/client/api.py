@@ -59,7 +59,7 @@ from lorafleet.core.serde import (
     spec_to_proto,
 )
 from lorafleet.core.spec import SPEC_FIELD, JobSpec, spec_value
-from lorafleet.core.spec_checks import check_field
+from lorafleet.core.spec_checks import SAMPLE_REQUEST_FIELDS, check_field
 from lorafleet.jobs.v1 import jobs_pb2 as pb
 from lorafleet.jobs.v1 import jobs_pb2_grpc as pbgrpc
 
@@ -216,11 +216,12 @@ def build_spec(spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any) -
     return msg
 
 
-def _sample_value(name: str, spec_name: str, value: Any) -> Any:
+def _sample_value(name: str, value: Any) -> Any:
     """A RequestSamples value in the type and bounds of the job spec field it stands in for
     (core/spec.py's, as the scheduler checks it), or InvalidArgument naming the request's field
     (a proto setter past the wire's integer says only "Value out of range"). Zero, the job's
     own setting, passes."""
+    spec_name = SAMPLE_REQUEST_FIELDS[name]
     try:
         typed = spec_value(spec_name, value)
         if typed:
@@ -662,18 +663,12 @@ class AsyncClient(AsyncLifecycle):
             pb.RequestSamplesRequest(
                 job_id=job_id,
                 prompts=list(prompts),
-                steps=[_sample_value("steps", "max_train_steps", s) for s in steps],
-                negative_prompt=_sample_value(
-                    "negative_prompt", "validation_negative_prompt", negative_prompt
-                ),
-                guidance_scale=_sample_value(
-                    "guidance_scale", "validation_guidance_scale", guidance_scale
-                ),
-                inference_steps=_sample_value(
-                    "inference_steps", "validation_inference_steps", inference_steps
-                ),
-                num_images=_sample_value("num_images", "num_validation_images", num_images),
-                seed=_sample_value("seed", "seed", seed),
+                steps=[_sample_value("steps", s) for s in steps],
+                negative_prompt=_sample_value("negative_prompt", negative_prompt),
+                guidance_scale=_sample_value("guidance_scale", guidance_scale),
+                inference_steps=_sample_value("inference_steps", inference_steps),
+                num_images=_sample_value("num_images", num_images),
+                seed=_sample_value("seed", seed),
             ),
         )
         return list(response.steps)

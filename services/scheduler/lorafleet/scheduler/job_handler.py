@@ -27,10 +27,9 @@ from lorafleet.core.model import (
     upload_key,
 )
 from lorafleet.core.model_refs import check_model_ref_shape
-from lorafleet.core.spec import SPEC_FIELD, JobShape, JobSpec
+from lorafleet.core.spec import JobShape, JobSpec
 from lorafleet.core.spec_checks import (
     FLUX2_NEGATIVE_PROMPT,
-    check_field,
     check_path,
     check_sample_settings,
 )
@@ -467,13 +466,10 @@ class JobHandler:
             guidance_scale=settings.guidance_scale,
             inference_steps=settings.inference_steps,
             num_images=settings.images_per_prompt,
+            seed=settings.seed,
+            steps=steps,
             prefix="",
         )
-        check_field(SPEC_FIELD["seed"], settings.seed, name="seed")
-        if len(steps) > 64:
-            raise InvalidArgument("steps", "at most 64 steps")
-        for step in steps:
-            check_field(SPEC_FIELD["max_train_steps"], step, name="steps")
         if job.state is not JobState.SUCCEEDED or job.result is None:
             raise FailedPrecondition(f"job {job_id} has no result yet (state {job.state.value})")
         wanted = sorted(set(steps)) or [job.progress.step]
